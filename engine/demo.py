@@ -1,0 +1,196 @@
+"""`python -m engine demo`: the main job on the embedded model, end to end.
+
+Starts an engine process (and through it the decode stage), submits a mixed set —
+every condition, several step counts, all four samplers, guidance 1 to 5, and one
+long request canceled midway — writes the images as one PNG grid, prints one table
+row per request with its timings, stops the engine with SIGTERM, and checks that no
+process or /dev/shm segment is left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from engine import transport
+
+SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+STEPS = (8, 15, 25, 40)
+GUIDANCE = (1.0, 3.0, 5.0)
+LONG_STEPS = 400
+
+
+@contextlib.contextmanager
+def launched_engine(command: list[str], address: str, log_path: pathlib.Path, ready_timeout: float = 180.0):
+    """Run an engine process, yield (process, connected Client); SIGTERM and reap it after."""
+    from frontend import Client
+
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while client is None:
+            if process.poll() is not None:
+                raise RuntimeError(f"engine exited with {process.returncode} before it was ready:\n"
+                                   + log_path.read_text(errors="replace")[-3000:])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not ready within {ready_timeout:g}s")
+            candidate = Client(address, connect_timeout=1.0)
+            try:
+                candidate.connect()
+                client = candidate
+            except ConnectionError:
+                pass
+        yield process, client
+    finally:
+        if client is not None:
+            client.close()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+def plan(conditions: list[str]) -> list[dict]:
+    requests = []
+    for i, condition in enumerate(conditions):
+        requests.append(dict(condition=condition, steps=STEPS[i % len(STEPS)], sampler=SAMPLERS[i % len(SAMPLERS)],
+                             guidance=GUIDANCE[i % len(GUIDANCE)], seed=i, output="png"))
+    requests.append(dict(condition=conditions[0], steps=LONG_STEPS, sampler="dpmpp_2m", guidance=3.0, seed=99,
+                         output="png", cancel_at=LONG_STEPS // 2))
+    return requests
+
+
+def grid(images: list[np.ndarray | None], columns: int = 5, scale: int = 4) -> np.ndarray:
+    size = next((im.shape[0] for im in images if im is not None), 32) * scale
+    rows = -(-len(images) // columns)
+    out = np.full((rows * (size + 4) + 4, columns * (size + 4) + 4, 3), 255, np.uint8)
+    for i, image in enumerate(images):
+        r, c = divmod(i, columns)
+        y, x = 4 + r * (size + 4), 4 + c * (size + 4)
+        if image is None:  # canceled: a grey tile with a cross
+            tile = np.full((size, size, 3), 90, np.uint8)
+            idx = np.arange(size)
+            tile[idx, idx] = tile[idx, size - 1 - idx] = (220, 60, 60)
+        else:
+            tile = np.repeat(np.repeat(image, scale, axis=0), scale, axis=1)
+        out[y:y + size, x:x + size] = tile
+    return out
+
+
+def run(command: list[str], address: str, out_path: pathlib.Path, log_path: pathlib.Path) -> int:
+    from PIL import Image
+
+    from frontend import Canceled, Completed, GenerateParams
+
+    with launched_engine(command, address, log_path) as (process, client):
+        welcome = client.welcome
+        conditions = [c for c in welcome.conditions if c] or ["red circle"]
+        print(f"engine pid {welcome.engine_pid} on {address}: model {welcome.model}, "
+              f"{len(conditions)} conditions, native size {welcome.native_size}")
+        requests = plan(conditions)
+        started = time.monotonic()
+        handles = []
+        for spec in requests:
+            params = GenerateParams(**{k: v for k, v in spec.items() if k != "cancel_at"})
+            handles.append(client.submit(params, progress="cancel_at" in spec))
+        for spec, handle in zip(requests, handles):
+            if "cancel_at" in spec:
+                for progress in handle.progress(timeout=120):
+                    if progress.step >= spec["cancel_at"]:
+                        handle.cancel()
+                        break
+        results = [handle.result(timeout=600) for handle in handles]
+        wall = time.monotonic() - started
+        stats = client.stats()
+    engine_pid = process.pid
+
+    images = []
+    for result in results:
+        if isinstance(result, Completed):
+            images.append(np.asarray(Image.open(io.BytesIO(result.output)).convert("RGB")))
+        else:
+            images.append(None)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid(images)).save(out_path)
+
+    looks = _classify(images)
+    header = (f"{'#':>2} {'condition':<15} {'sampler':<15} {'steps':>5} {'g':>3} {'result':<9} {'queue_s':>8} "
+              f"{'denoise_s':>9} {'dec_wait':>8} {'decode_s':>8} {'total_s':>8} {'evals':>5} {'padded':>6}  looks like")
+    print(header)
+    print("-" * len(header))
+    ok = True
+    for i, (spec, result, look) in enumerate(zip(requests, results, looks)):
+        outcome = type(result).__name__
+        t = getattr(result, "timings", None)
+        cells = (f"{t.queue_s:8.3f} {t.denoise_s:9.3f} {t.decode_wait_s:8.3f} {t.decode_s:8.3f} {t.total_s:8.3f} "
+                 f"{t.evals:5d} {t.padded_evals:6d}") if t else f"{getattr(result, 'reason', getattr(result, 'error', '')):<60}"
+        print(f"{i:>2} {spec['condition']:<15} {spec['sampler']:<15} {spec['steps']:>5} {spec['guidance']:>3g} "
+              f"{outcome:<9} {cells}  {look}")
+        expected = Canceled if "cancel_at" in spec else Completed
+        ok &= isinstance(result, expected)
+    print(f"\n{len(results)} requests in {wall:.2f}s wall; useful/total evals "
+          f"{stats.get('useful_eval_ratio', float('nan')):.3f}; grid written to {out_path}")
+
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"diffslot-{engine_pid}")] \
+        if os.path.isdir("/dev/shm") else []
+    if leftovers:
+        print(f"error: shared memory left behind: {leftovers}", file=sys.stderr)
+        ok = False
+    if process.returncode != 0:
+        print(f"error: engine exited with {process.returncode}:\n{log_path.read_text(errors='replace')[-2000:]}",
+              file=sys.stderr)
+        ok = False
+    return 0 if ok else 1
+
+
+def _classify(images: list[np.ndarray | None]) -> list[str]:
+    try:
+        from engine.models.shapes import classify
+    except ImportError:
+        return [""] * len(images)
+    looks = []
+    for image in images:
+        if image is None or image.shape[:2] != (32, 32):
+            looks.append("")
+            continue
+        color, shape = classify(image[None])[0]
+        looks.append(f"{color} {shape}" if color else "nothing")
+    return looks
+
+
+def engine_command(args: argparse.Namespace, address: str) -> list[str]:
+    command = [sys.executable, "-m", "engine", "serve", "--address", address, "--model", args.model,
+               "--slots", str(args.slots), "--layout", args.layout, "--admission", args.admission,
+               "--decode-workers", str(args.decode_workers), "--max-queue", str(args.max_queue)]
+    if args.device:
+        command += ["--device", args.device]
+    return command
+
+
+def main(args: argparse.Namespace) -> int:
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="demo-", dir=transport.runtime_dir()))
+    address = f"ipc://{workdir / 'engine.sock'}"
+    try:
+        return run(engine_command(args, address), address, pathlib.Path(args.out), workdir / "engine.log")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

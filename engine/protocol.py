@@ -1,0 +1,265 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Wire format: one ZMQ multipart message per protocol message. A client's DEALER sends
+one frame, the msgpack body. The engine's ROUTER answers with the body and, for
+`Completed`, one extra frame holding the output bytes (PNG, raw uint8 H×W×3 or
+float32 C×H×W latent), sent zero-copy and never inside the msgpack body.
+
+Bodies are msgpack arrays whose first element is the message tag (`array_like`
+structs in a tagged union), e.g. `["submit", "r1", {"condition": "red circle"}]`.
+`GenerateParams` stays a msgpack map so users can write it by hand and unknown
+fields are caught by name. Decoding validates types; `describe_decode_error` turns
+msgspec's error into the field a `Rejected` names.
+
+Handshake: a client sends `Hello(version)` first; the engine answers `Welcome` (or
+`Rejected` naming `version`). Both sides send `Heartbeat` every
+`Welcome.heartbeat_interval_s`, so either notices the other's death without
+request timeouts. A client acknowledges each `Completed` with `Delivered`, which
+returns the output bytes to its budget (R8).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+OUTPUT_KINDS = ("png", "uint8", "latent")
+MAX_REQUEST_ID_LEN = 128
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+
+
+class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One generation request, as the user writes it. Validated by the engine against
+    the loaded model (conditions, sizes, samplers, step limit)."""
+
+    condition: str
+    steps: int = 20
+    sampler: str = "euler"
+    guidance: float = 3.0
+    seed: int = 0
+    output: str = "png"
+    height: int | None = None  # None: the model's native size
+    width: int | None = None
+
+
+class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per-request service record (R9). Seconds, and denoiser rows."""
+
+    queue_s: float = 0.0  # arrival → admitted into a slot
+    denoise_s: float = 0.0  # admitted → last denoise step's fence done
+    decode_wait_s: float = 0.0  # denoise done → a decoder starts on it
+    decode_s: float = 0.0  # decode + post-processing
+    total_s: float = 0.0  # arrival → usable output
+    evals: int = 0  # useful denoiser rows computed for this request
+    padded_evals: int = 0  # rows computed in its batches that served no one
+
+
+class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,
+              forbid_unknown_fields=True):
+    """Base of every wire message; the tag is the first array element."""
+
+
+# --------------------------------------------------------------------- client → engine
+
+
+class Hello(Message, tag="hello"):
+    """First message of a session. The engine answers Welcome, or Rejected(field="version")."""
+
+    version: int
+    pid: int = 0  # for the engine's logs only
+    name: str = ""
+
+
+class Submit(Message, tag="submit"):
+    request_id: RequestId  # chosen by the client, unique among its unfinished requests
+    params: GenerateParams
+    progress: bool = True  # send a Progress message after every denoising step
+
+
+class Cancel(Message, tag="cancel"):
+    """Idempotent; unknown or finished ids are ignored."""
+
+    request_id: RequestId
+
+
+class Delivered(Message, tag="delivered"):
+    """The client has received this request's output: its bytes leave the client's
+    output budget (R8). A client that stops reading stops sending these."""
+
+    request_id: RequestId
+
+
+class Stats(Message, tag="stats"):
+    token: int = 0  # echoed in StatsReply
+
+
+class Goodbye(Message, tag="goodbye"):
+    """The client is closing: the engine cancels its unfinished requests at once."""
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Liveness, in both directions."""
+
+
+# --------------------------------------------------------------------- engine → client
+
+
+class Welcome(Message, tag="welcome"):
+    version: int
+    engine_pid: int
+    heartbeat_interval_s: float
+    peer_timeout_s: float  # silence after which either side declares the other dead
+    output_budget_bytes: int  # this client's cap on undelivered output bytes
+    model: str = ""
+    conditions: list[str] = []
+    native_size: int = 0
+
+
+class Accepted(Message, tag="accepted"):
+    request_id: str
+    queue_depth: int = 0  # requests waiting for a slot, this one included
+
+
+class Progress(Message, tag="progress"):
+    """After `step` of `total` denoising steps. Lossy: a slow reader may see steps skipped."""
+
+    request_id: str
+    step: int
+    total: int
+
+
+class Completed(Message, tag="completed", dict=True, gc=True):
+    """The result. `output` is not part of the body: the client attaches it from the
+    extra frame — PNG bytes ("png"), a read-only numpy uint8 H×W×3 array ("uint8"),
+    or a read-only numpy float32 C×H×W array of the final latents ("latent")."""
+
+    request_id: str
+    timings: Timings
+    output_kind: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name of the extra frame ("uint8" for PNG bytes)
+
+
+class Canceled(Message, tag="canceled"):
+    """Terminal; `timings` holds the work done before the cancel took effect."""
+
+    request_id: str
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+
+class Rejected(Message, tag="rejected"):
+    """Terminal: the request never entered the engine (bad input, full queue, budget).
+    `field` names the offending field where there is one; retry only if
+    `retry_after_s` > 0."""
+
+    request_id: str
+    reason: str
+    field: str | None = None
+    retry_after_s: float = 0.0
+
+
+class Failed(Message, tag="failed"):
+    """Terminal: the engine accepted the request but could not finish it."""
+
+    request_id: str
+    error: str
+
+
+class EngineDead(Message, tag="engine_dead"):
+    """The engine is going away (shutdown), or has written this client off; every
+    unfinished request of the client is lost."""
+
+    reason: str
+
+
+class StatsReply(Message, tag="stats_reply"):
+    token: int
+    stats: dict[str, Any]
+
+
+ClientMessage = Union[Hello, Submit, Cancel, Delivered, Stats, Goodbye, Heartbeat]
+EngineMessage = Union[Welcome, Accepted, Progress, Completed, Canceled, Rejected, Failed,
+                      EngineDead, StatsReply, Heartbeat]
+AnyMessage = Union[ClientMessage, EngineMessage]
+TERMINAL = (Completed, Canceled, Rejected, Failed)
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    """What the engine decodes: only client → engine messages."""
+    return msgspec.msgpack.Decoder(ClientMessage)
+
+
+def engine_decoder() -> msgspec.msgpack.Decoder:
+    """What a client decodes: only engine → client messages."""
+    return msgspec.msgpack.Decoder(EngineMessage)
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+# --------------------------------------------------------------------- decode errors
+
+_TAG_TO_TYPE = {t.__struct_config__.tag: t for t in ClientMessage.__args__ + EngineMessage.__args__}
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_NAMED = re.compile(r"field `(?P<name>[^`]+)`")
+
+
+def describe_decode_error(body: bytes, error: Exception) -> tuple[str | None, str | None]:
+    """(request_id, field) for a frame that failed to decode, as far as they can be
+    recovered: msgspec reports array positions (`$[2].steps`), which are mapped back
+    to field names through the message's tag. Parameter fields are named as in
+    GenerateParams ("steps"), message fields by their own name ("request_id")."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except Exception:
+        return None, None
+    if not isinstance(raw, list) or not raw:
+        return None, "type"
+    request_id = raw[1] if len(raw) > 1 and isinstance(raw[1], str) and 0 < len(raw[1]) <= MAX_REQUEST_ID_LEN \
+        else None
+    message_type = _TAG_TO_TYPE.get(raw[0]) if isinstance(raw[0], str) else None
+    if message_type is None or "request_id" not in message_type.__struct_fields__:
+        request_id = None
+    text = str(error)
+    match = _PATH.search(text)
+    named = _NAMED.search(text)
+    fields = message_type.__struct_fields__ if message_type else ()
+    if match is None:  # an error about the whole array, e.g. a missing element
+        short = re.search(r"at least length \d+, got (\d+)", text)
+        if short and 0 < int(short.group(1)) <= len(fields):
+            return request_id, fields[int(short.group(1)) - 1]
+        return request_id, named.group("name") if named else None
+    path = match.group("path")
+    index = re.match(r"\[(\d+)\]", path)
+    if index is None:
+        return request_id, None
+    position = int(index.group(1))
+    rest = path[index.end():]
+    if position == 0:
+        return request_id, "type"
+    if position - 1 >= len(fields):
+        return request_id, None
+    name = fields[position - 1]
+    if name == "params":  # name the parameter the user wrote, not the envelope
+        sub = re.match(r"\.(\w+)", rest)
+        if sub:
+            return request_id, sub.group(1)
+        if named:
+            return request_id, named.group("name")
+    return request_id, name
+
+
+def output_nbytes(kind: str, height: int, width: int, latent_shape: tuple[int, ...]) -> int:
+    """Upper bound of the output frame's size, reserved against a client's budget
+    before the request is admitted (R8)."""
+    if kind == "latent":
+        return 4 * math.prod(latent_shape)
+    raw = height * width * 3
+    if kind == "png":  # stored deflate blocks + one filter byte per row + chunk headers
+        return raw + height + raw // 1000 + 1024
+    return raw

@@ -1,0 +1,118 @@
+"""`python -m frontend generate ...` and `python -m frontend stats`.
+
+    python -m frontend generate --condition "red circle" --steps 20 --sampler dpmpp_2m \\
+        --guidance 3 --seed 7 -o out.png [--address ADDR]
+
+Shows a progress bar; Ctrl-C cancels the request on the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import sys
+
+from engine.protocol import OUTPUT_KINDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m frontend", description="diffslot client")
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate one image")
+    gen.add_argument("--condition", required=True, help='e.g. "red circle"')
+    gen.add_argument("--steps", type=int, default=20)
+    gen.add_argument("--sampler", default="euler")
+    gen.add_argument("--guidance", type=float, default=3.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--height", type=int, default=None)
+    gen.add_argument("--width", type=int, default=None)
+    gen.add_argument("--output-kind", choices=OUTPUT_KINDS, default="png",
+                     help="png; uint8 and latent are saved as .npy")
+    gen.add_argument("-o", "--out", required=True, help="file to write")
+    gen.add_argument("--address", default=None, help="engine address (default: the local engine)")
+    gen.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the engine to answer")
+    stats = sub.add_parser("stats", help="print the engine's counters as JSON")
+    stats.add_argument("--address", default=None)
+    return ap
+
+
+def generate(args: argparse.Namespace) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from frontend import Canceled, Client, Completed, EngineDeadError, GenerateParams, Rejected
+
+    params = GenerateParams(condition=args.condition, steps=args.steps, sampler=args.sampler,
+                            guidance=args.guidance, seed=args.seed, output=args.output_kind,
+                            height=args.height, width=args.width)
+    try:
+        client = Client(args.address, connect_timeout=args.timeout)
+        client.connect()
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    interrupted = False
+    try:
+        handle = client.submit(params)
+        for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (even if inherited as ignored), kill: cancel
+            signal.signal(signum, signal.default_int_handler)
+        try:
+            with tqdm(total=args.steps, unit="step", desc=args.condition, leave=False, disable=None) as bar:
+                for progress in handle.progress():
+                    bar.update(progress.step - bar.n)
+            result = handle.result()
+        except KeyboardInterrupt:
+            interrupted = True
+            handle.cancel()
+            print("canceling...", file=sys.stderr)
+            result = handle.result(timeout=10)
+    except EngineDeadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except TimeoutError:
+        print("error: the engine did not confirm the cancel", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if isinstance(result, Completed):
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if result.output_kind == "png":
+            out.write_bytes(result.output)
+        else:
+            np.save(out, result.output)
+        t = result.timings
+        print(f"{out}: {t.total_s:.3f}s (queue {t.queue_s:.3f}, denoise {t.denoise_s:.3f}, "
+              f"decode wait {t.decode_wait_s:.3f}, decode {t.decode_s:.3f}; {t.evals} evals)")
+        return 0
+    if isinstance(result, Canceled):
+        print(f"canceled after {result.timings.evals} evals", file=sys.stderr)
+        return 130 if interrupted else 1
+    if isinstance(result, Rejected):
+        where = f" (field {result.field})" if result.field else ""
+        print(f"rejected{where}: {result.reason}", file=sys.stderr)
+        return 2
+    print(f"failed: {result.error}", file=sys.stderr)
+    return 1
+
+
+def stats(args: argparse.Namespace) -> int:
+    from frontend import Client
+
+    try:
+        with Client(args.address, connect_timeout=10) as client:
+            print(json.dumps(client.stats(), indent=1, sort_keys=True))
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return generate(args) if args.command == "generate" else stats(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""Client library: talk to a diffslot engine over ZMQ.
+
+    with Client(address) as c:
+        h = c.submit(GenerateParams(condition="red circle", steps=20))
+        for p in h.progress(): ...
+        r = h.result(timeout=60)        # Completed | Canceled | Rejected | Failed
+
+One background thread per Client owns its DEALER socket (ZMQ sockets must stay on one
+thread): it sends what user threads queue, receives everything, and routes each
+message to its request's handle by request id. It also keeps the engine honest: the
+engine sends a Heartbeat every `heartbeat_interval_s`; if the connection drops (ZMQ
+socket monitor) or the engine is silent for `peer_timeout_s`, every unfinished
+request fails at once with EngineDeadError — no request timeouts involved. The
+thread sends heartbeats of its own, so the engine cancels the requests of a client
+that died.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from engine import transport
+from engine.protocol import (
+    PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
+    GenerateParams, Goodbye, Heartbeat, Hello, Progress, Rejected, Stats, StatsReply, Submit, Welcome,
+    encoder, engine_decoder,
+)
+
+log = logging.getLogger("diffslot.client")
+
+Result = Completed | Canceled | Rejected | Failed
+_END = object()  # closes a handle's progress stream
+
+
+class EngineDeadError(ConnectionError):
+    """The engine died, shut down, or wrote this client off; unfinished requests are lost."""
+
+
+class RequestHandle:
+    """One submitted request. Thread-safe; results are filled in by the client's IO thread."""
+
+    def __init__(self, client: "Client", request_id: str):
+        self.request_id = request_id
+        self.submitted_at = time.monotonic()
+        self.accepted_at: float | None = None  # when Accepted arrived (client clock)
+        self._client = client
+        self._progress: queue.SimpleQueue = queue.SimpleQueue()
+        self._accepted: Accepted | None = None
+        self._accepted_event = threading.Event()
+        self._done = threading.Event()
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[RequestHandle], None]] = []
+        self._lock = threading.Lock()
+
+    def progress(self, timeout: float | None = None) -> Iterator[Progress]:
+        """Progress(step, total) after each denoising step, until the request ends.
+        Raises EngineDeadError if the engine dies meanwhile, TimeoutError if nothing
+        arrives within `timeout` seconds."""
+        while True:
+            try:
+                item = self._progress.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no progress on request {self.request_id} within {timeout}s") from None
+            if item is _END:
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Completed | Canceled | Rejected | Failed. Raises EngineDeadError if the
+        engine died first, TimeoutError if `timeout` passes (the request goes on)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def accepted(self, timeout: float | None = None) -> Accepted | None:
+        """Wait until the engine accepted the request; None if it ended without (Rejected)."""
+        if not self._accepted_event.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not accepted within {timeout}s")
+        if self._accepted is None and self._error is not None:
+            raise self._error
+        return self._accepted
+
+    def cancel(self) -> None:
+        """Ask the engine to cancel; the result becomes Canceled unless it already finished.
+        Idempotent, and safe to race with completion."""
+        if not self._done.is_set():
+            self._client._send_soon(Cancel(self.request_id))
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
+        """Call fn(handle) when the request ends (on the client's IO thread, or now)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # ------------------------------------------------------------ IO thread side
+    def _deliver(self, msg) -> None:
+        if isinstance(msg, Progress):
+            self._progress.put(msg)
+        elif isinstance(msg, Accepted):
+            self._accepted, self.accepted_at = msg, time.monotonic()
+            self._accepted_event.set()
+        else:
+            self._finish(msg, None)
+
+    def _finish(self, result: Result | None, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._result, self._error = result, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        self._accepted_event.set()
+        self._progress.put(_END)
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("done callback of request %s failed", self.request_id)
+
+
+class Client:
+    """A connection to one engine. Use as a context manager, or call connect()/close()."""
+
+    def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = ""):
+        self.address = address or transport.discover_address()
+        self.connect_timeout = connect_timeout
+        self.name = name
+        self.welcome: Welcome | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._stats_waiters: dict[int, list] = {}
+        self._tokens = itertools.count(1)
+        self._lock = threading.Lock()
+        self._outbox: collections.deque = collections.deque()  # messages user threads want sent
+        self._waker = transport.Waker()
+        self._encoder = encoder()
+        self._welcomed = threading.Event()
+        self._handshake_error: BaseException | None = None
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Client":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def connect(self) -> Welcome:
+        """Connect and complete the handshake; raises ConnectionError if no engine answers
+        within `connect_timeout` (an engine still loading its model is waited for)."""
+        if self._thread is not None:
+            raise RuntimeError("already connected")
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._socket.connect(self.address)
+        self._thread = threading.Thread(target=self._run, name="diffslot-client-io", daemon=True)
+        self._thread.start()
+        if not self._welcomed.wait(self.connect_timeout) or self.welcome is None:
+            error = self._handshake_error or self._dead or ConnectionError(
+                f"no diffslot engine answered at {self.address} within {self.connect_timeout:g}s")
+            self.close()
+            raise error
+        return self.welcome
+
+    def close(self) -> None:
+        """Tell the engine goodbye (it cancels our unfinished requests) and stop."""
+        if self._thread is None or self._closing:
+            return
+        self._closing = True
+        self._waker.wake()
+        self._thread.join(timeout=10)
+        self._waker.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and not self._closing and self.welcome is not None
+
+    # ------------------------------------------------------------ requests
+    def submit(self, params: GenerateParams, *, request_id: str | None = None,
+               progress: bool = True) -> RequestHandle:
+        """Queue a request; returns at once. `progress=False` asks the engine not to send
+        Progress messages (handle.progress() then only ends)."""
+        self._check_usable()
+        request_id = request_id or uuid.uuid4().hex
+        handle = RequestHandle(self, request_id)
+        with self._lock:
+            if request_id in self._handles:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._handles[request_id] = handle
+        self._send_soon(Submit(request_id, params, progress))
+        return handle
+
+    def generate(self, params: GenerateParams, timeout: float | None = None) -> Result:
+        """Submit and wait; on timeout or KeyboardInterrupt the request is canceled."""
+        handle = self.submit(params, progress=False)
+        try:
+            return handle.result(timeout)
+        except (TimeoutError, KeyboardInterrupt):
+            handle.cancel()
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        self._send_soon(Cancel(request_id))
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Engine-wide counters: the core's stats and the process's own."""
+        self._check_usable()
+        token = next(self._tokens)
+        waiter = [threading.Event(), None]
+        with self._lock:
+            self._stats_waiters[token] = waiter
+        self._send_soon(Stats(token))
+        if not waiter[0].wait(timeout):
+            with self._lock:
+                self._stats_waiters.pop(token, None)
+            raise TimeoutError(f"no stats within {timeout}s")
+        if isinstance(waiter[1], BaseException):
+            raise waiter[1]
+        return waiter[1]
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closing or self._thread is None:
+            raise RuntimeError("client is not connected")
+
+    def _send_soon(self, msg) -> None:
+        self._outbox.append(msg)  # deque.append is thread-safe
+        self._waker.wake()
+
+    # ------------------------------------------------------------ IO thread
+    def _run(self) -> None:
+        sock, monitor = self._socket, self._monitor
+        decoder = engine_decoder()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._waker.read_fd, zmq.POLLIN)
+        self._send(Hello(PROTOCOL_VERSION, os.getpid(), self.name))
+        interval, timeout = 0.5, None  # until Welcome says otherwise; no liveness deadline before it
+        last_heard = next_beat = time.monotonic()
+        unsent: collections.deque = collections.deque()
+        try:
+            while not self._closing and self._dead is None:
+                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                now = time.monotonic()
+                if sock in events:
+                    last_heard = now
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(decoder, frames)
+                        if self.welcome is not None and timeout is None:
+                            interval, timeout = self.welcome.heartbeat_interval_s, self.welcome.peer_timeout_s
+                if monitor in events:
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                        self._declare_dead("the connection to the engine was lost (engine process died?)")
+                if self._waker.read_fd in events:
+                    self._waker.drain()
+                while self._outbox:
+                    unsent.append(self._outbox.popleft())
+                while unsent and self._dead is None:
+                    if not self._send(unsent[0]):
+                        break  # pipe full: retry after the next poll
+                    unsent.popleft()
+                if now >= next_beat:
+                    next_beat = now + interval
+                    if timeout is not None and now - last_heard > timeout:
+                        self._declare_dead(f"no word from the engine for {timeout:g}s (engine hung or died)")
+                    elif self.welcome is not None:
+                        self._send(Heartbeat())
+                if unsent:
+                    next_beat = min(next_beat, now + 0.005)
+        except Exception as exc:
+            log.exception("client IO thread crashed")
+            self._declare_dead(f"client IO thread crashed: {exc!r}")
+        finally:
+            if self._dead is None and self.welcome is not None:
+                self._send(Goodbye())
+                sock.setsockopt(zmq.LINGER, 500)  # let Goodbye leave
+            for handle in self._take_handles():
+                handle._finish(Failed(handle.request_id, "client closed before the request finished"), None)
+            self._welcomed.set()
+            monitor.close(linger=0)
+            self._socket.disable_monitor()
+            sock.close()
+            self._ctx.term()
+
+    def _send(self, msg) -> bool:
+        try:
+            self._socket.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _handle(self, decoder, frames: list) -> None:
+        try:
+            msg = decoder.decode(frames[0].buffer)
+        except Exception as exc:  # a broken engine message fails nothing else
+            log.error("undecodable message from the engine: %s", exc)
+            return
+        if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, Welcome):
+            if msg.version != PROTOCOL_VERSION:
+                self._handshake_error = ConnectionError(f"engine speaks protocol {msg.version}, "
+                                                        f"this client {PROTOCOL_VERSION}")
+                self._closing = True
+            else:
+                self.welcome = msg
+            self._welcomed.set()
+            return
+        if isinstance(msg, EngineDead):
+            self._declare_dead(msg.reason)
+            return
+        if isinstance(msg, StatsReply):
+            with self._lock:
+                waiter = self._stats_waiters.pop(msg.token, None)
+            if waiter is not None:
+                waiter[1] = msg.stats
+                waiter[0].set()
+            return
+        if isinstance(msg, Completed):
+            msg.output = _payload(msg, frames[1] if len(frames) > 1 else None)
+            self._send(Delivered(msg.request_id))  # hands the bytes back to our budget on the engine
+        if isinstance(msg, Rejected) and not msg.request_id:
+            if self.welcome is None and msg.field == "version":
+                self._handshake_error = ConnectionError(msg.reason)
+                self._closing = True
+                self._welcomed.set()
+            else:
+                log.error("engine rejected a message: %s", msg.reason)
+            return
+        with self._lock:
+            handle = self._handles.get(msg.request_id)
+            if handle is not None and isinstance(msg, TERMINAL):
+                del self._handles[msg.request_id]
+        if handle is not None:
+            handle._deliver(msg)
+
+    def _take_handles(self) -> list[RequestHandle]:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+            waiters, self._stats_waiters = list(self._stats_waiters.values()), {}
+        for waiter in waiters:
+            waiter[1] = self._dead or RuntimeError("client closed")
+            waiter[0].set()
+        return handles
+
+    def _declare_dead(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError(f"engine at {self.address} is gone: {reason}")
+        log.warning("%s", self._dead)
+        for handle in self._take_handles():
+            handle._finish(None, self._dead)
+        self._welcomed.set()
+
+
+def _payload(msg: Completed, frame) -> Any:
+    if frame is None:
+        return None
+    if msg.output_kind == "png":
+        return frame.bytes
+    return np.frombuffer(frame, dtype=np.dtype(msg.dtype)).reshape(msg.shape)  # zero-copy, read-only
+
+
+class AsyncClient:
+    """asyncio face of Client (same IO thread underneath):
+
+        async with AsyncClient(address) as c:
+            r = await c.generate(params)   # cancelling the awaiting task cancels the request
+    """
+
+    def __init__(self, address: str | None = None, **client_kwargs):
+        self._client = Client(address, **client_kwargs)
+
+    async def __aenter__(self) -> "AsyncClient":
+        await asyncio.get_running_loop().run_in_executor(None, self._client.connect)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._client.close)
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    async def generate(self, params: GenerateParams, *,
+                       on_progress: Callable[[Progress], None] | None = None) -> Result:
+        """Submit and await the result. Raises EngineDeadError if the engine dies."""
+        loop = asyncio.get_running_loop()
+        handle = self._client.submit(params, progress=on_progress is not None)
+        done = loop.create_future()
+        handle.add_done_callback(lambda h: loop.call_soon_threadsafe(_resolve, done))
+        try:
+            if on_progress is not None:
+                progress = handle.progress()
+                while True:  # one blocking read per step, off the event loop
+                    item = await loop.run_in_executor(None, next, progress, None)
+                    if item is None:
+                        break
+                    on_progress(item)
+            await done
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        return handle.result(0)
+
+    async def stats(self) -> dict[str, Any]:
+        return await asyncio.get_running_loop().run_in_executor(None, self._client.stats)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,36 @@
+"""diffslot: a serving engine for diffusion image generation."""
+from setuptools import Extension, find_packages, setup
+
+setup(
+    name="diffslot",
+    version="0.1.0",
+    description="Serving engine for diffusion image generation: per-request trajectories in a shared batch of slots",
+    python_requires=">=3.11",
+    packages=find_packages(include=["engine", "engine.*", "frontend", "frontend.*"]),
+    package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*"]},
+    ext_modules=[
+        Extension(
+            "engine._C",
+            sources=["csrc/atomics.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall"],
+        )
+    ],
+    install_requires=[
+        # 2.13.0 exactly: on a CPU machine pip takes the CPU build lying on disk rather
+        # than downloading a multi-GB CUDA build of a newer release.
+        "torch==2.13.0",
+        "diffusers>=0.35",
+        "triton>=3.0",
+        "pyzmq>=26",
+        "msgspec>=0.19",
+        "safetensors",
+        "pillow",
+        "numpy",
+        "prometheus-client",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "pytest-benchmark", "hypothesis", "matplotlib", "selenium>=4.11"],
+    },
+    entry_points={"console_scripts": ["diffslot=engine.__main__:main"]},
+)

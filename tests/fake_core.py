@@ -1,0 +1,260 @@
+"""A tiny deterministic stand-in for `engine.core.EngineCore`, without any model.
+
+Same interface (add_request / abort_requests / step / has_unfinished_requests /
+decode_done / stats) and the same output types, so the engine process, the wire
+protocol and the client library can be tested fast. Each step advances every
+running request by one; its final "latents" depend only on its own parameters, so
+a request's result never depends on its neighbours, as with the real core.
+
+Run an engine process around it:
+    python tests/fake_core.py --address ipc:///tmp/x.sock [--step-delay 0.005] [--size 32]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import math
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+try:
+    from engine.core import DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress
+except ModuleNotFoundError:  # TEMPORARY until engine/core.py lands: the interface's types, as stand-ins
+    import types
+
+    @dataclasses.dataclass
+    class StepProgress:
+        request_id: str
+        step: int
+        total: int
+
+    @dataclasses.dataclass
+    class DenoiseFinished:
+        request_id: str
+        latents: object
+        params: object
+        timings: object
+        finished_at: float
+
+    @dataclasses.dataclass
+    class RequestCanceled:
+        request_id: str
+        timings: object
+
+    @dataclasses.dataclass
+    class RequestFailed:
+        request_id: str
+        error: str
+
+    class RequestRejected(Exception):
+        def __init__(self, reason, field=None, retry_after_s=0.0):
+            super().__init__(reason)
+            self.reason, self.field, self.retry_after_s = reason, field, retry_after_s
+
+    _standin = types.ModuleType("engine.core")
+    _standin.__dict__.update(StepProgress=StepProgress, DenoiseFinished=DenoiseFinished,
+                             RequestCanceled=RequestCanceled, RequestFailed=RequestFailed,
+                             RequestRejected=RequestRejected)
+    sys.modules["engine.core"] = _standin
+from engine.models.shapes.draw import CONDITIONS, NULL_CONDITION  # noqa: E402
+from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings  # noqa: E402
+
+SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MAX_STEPS = 1000
+
+
+class FakeModel:
+    """What the engine process needs of a model: conditions, sizes, decode."""
+
+    latent_channels = 4
+    vae_scale = 4
+
+    def __init__(self, native_size: int = 32, decode_delay_s: float = 0.0):
+        self.native_size = native_size
+        self.decode_delay_s = decode_delay_s  # to make cancels land during decode
+        self.conditions = [*CONDITIONS, NULL_CONDITION]
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+
+    def decode(self, latents) -> np.ndarray:
+        """B×C×h×w → uint8 B×H×W×3: the first three channels, squashed and upsampled."""
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
+        x = np.asarray(latents, dtype=np.float32)[:, :3]
+        x = np.repeat(np.repeat(x, self.vae_scale, axis=2), self.vae_scale, axis=3)
+        return np.ascontiguousarray(((np.tanh(x) + 1) * 127.5).round().astype(np.uint8).transpose(0, 2, 3, 1))
+
+
+def fake_latents(params: GenerateParams, shape: tuple[int, ...]) -> np.ndarray:
+    """The deterministic 'result' of a request: a function of its own parameters only."""
+    key = zlib.crc32(f"{params.condition}|{params.sampler}|{params.steps}|{params.guidance!r}".encode())
+    rng = np.random.default_rng([params.seed, key])
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+@dataclasses.dataclass
+class FakeConfig:
+    slots: int = 16
+    max_queue: int = 64
+    step_delay_s: float = 0.0  # sleep per step with work, to make cancels land mid-denoise
+    fail_condition: str | None = None  # requests with this condition fail at their first step
+
+
+@dataclasses.dataclass
+class _Req:
+    request_id: str
+    params: GenerateParams
+    arrival: float
+    shape: tuple[int, ...]
+    step: int = 0
+    admitted_at: float | None = None
+    evals: int = 0
+
+
+class FakeCore:
+    def __init__(self, model: FakeModel, config: FakeConfig | None = None):
+        self.model = model
+        self.config = config or FakeConfig()
+        self.queue: collections.OrderedDict[str, _Req] = collections.OrderedDict()
+        self.running: dict[str, _Req] = {}
+        self.decoding: dict[str, bool] = {}  # request id → canceled meanwhile
+        self.pending: list = []  # outputs to hand out at the next step()
+        self.useful_evals = 0
+        self.total_evals = 0
+        self.canceled_evals = 0
+        self.steps_run = 0
+
+    # ------------------------------------------------------------------ interface
+    def add_request(self, request_id: str, params: GenerateParams, arrival_time: float | None = None) -> None:
+        height, width = self._validate(params)
+        if len(self.queue) >= self.config.max_queue:
+            raise RequestRejected("queue full", None, 0.5)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.queue[request_id] = _Req(request_id, params, arrival, self.model.latent_shape(height, width))
+
+    def abort_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            req = self.queue.pop(rid, None) or self.running.pop(rid, None)
+            if req is not None:
+                self.canceled_evals += req.evals
+                self.pending.append(RequestCanceled(rid, self._timings(req)))
+            elif rid in self.decoding and not self.decoding[rid]:
+                self.decoding[rid] = True
+                self.pending.append(RequestCanceled(rid, Timings()))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queue or self.running or self.pending)
+
+    def step(self) -> list:
+        outputs, self.pending = self.pending, []
+        while self.queue and len(self.running) < self.config.slots:
+            _, req = self.queue.popitem(last=False)
+            req.admitted_at = time.monotonic()
+            self.running[req.request_id] = req
+        if not self.running:
+            return outputs
+        if self.config.step_delay_s:
+            time.sleep(self.config.step_delay_s)
+        self.steps_run += 1
+        for rid, req in list(self.running.items()):
+            if req.params.condition == self.config.fail_condition:
+                del self.running[rid]
+                outputs.append(RequestFailed(rid, "injected failure"))
+                continue
+            rows = 1 if req.params.guidance == 1 else 2
+            req.step += 1
+            req.evals += rows
+            self.useful_evals += rows
+            self.total_evals += rows
+            outputs.append(StepProgress(rid, req.step, req.params.steps))
+            if req.step == req.params.steps:
+                del self.running[rid]
+                self.decoding[rid] = False
+                outputs.append(DenoiseFinished(rid, fake_latents(req.params, req.shape), req.params,
+                                               self._timings(req), time.monotonic()))
+        return outputs
+
+    def decode_done(self, request_id: str) -> bool:
+        return not self.decoding.pop(request_id, True)
+
+    def stats(self) -> dict:
+        return {
+            "slots": self.config.slots,
+            "slots_used": len(self.running),
+            "slot_occupancy": len(self.running) / self.config.slots,
+            "queue_depth": len(self.queue),
+            "decoding": len(self.decoding),
+            "useful_evals": self.useful_evals,
+            "total_evals": self.total_evals,
+            "useful_eval_ratio": self.useful_evals / self.total_evals if self.total_evals else 1.0,
+            "canceled_evals": self.canceled_evals,
+            "stale_completions": 0,
+            "steps": self.steps_run,
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _validate(self, params: GenerateParams) -> tuple[int, int]:
+        if params.condition not in self.model.conditions[:-1]:
+            raise RequestRejected(f"unknown condition {params.condition!r}", "condition", 0.0)
+        if not 1 <= params.steps <= MAX_STEPS:
+            raise RequestRejected(f"steps must be in 1..{MAX_STEPS}", "steps", 0.0)
+        if params.sampler not in SAMPLERS:
+            raise RequestRejected(f"unknown sampler {params.sampler!r}", "sampler", 0.0)
+        if not (math.isfinite(params.guidance) and 0 <= params.guidance <= 50):
+            raise RequestRejected("guidance must be a finite number in [0, 50]", "guidance", 0.0)
+        if not 0 <= params.seed < 2**63:
+            raise RequestRejected("seed must be in [0, 2**63)", "seed", 0.0)
+        if params.output not in OUTPUT_KINDS:
+            raise RequestRejected(f"output must be one of {', '.join(OUTPUT_KINDS)}", "output", 0.0)
+        sizes = []
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            value = self.model.native_size if value is None else value
+            if not (8 <= value <= 1024 and value % self.model.vae_scale == 0):
+                raise RequestRejected(f"{name} must be a multiple of {self.model.vae_scale} in [8, 1024]", name, 0.0)
+            sizes.append(value)
+        return sizes[0], sizes[1]
+
+    def _timings(self, req: _Req) -> Timings:
+        now = time.monotonic()
+        admitted = req.admitted_at if req.admitted_at is not None else now
+        return Timings(queue_s=admitted - req.arrival, denoise_s=now - admitted, evals=req.evals)
+
+
+def main(argv=None) -> int:
+    from engine.decode_stage import InProcessDecodeStage
+    from engine.proc import ProcConfig, configure_logging, run_engine
+
+    ap = argparse.ArgumentParser(description="an engine process around FakeCore (tests only)")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--max-queue", type=int, default=64)
+    ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--size", type=int, default=32, help="native image size")
+    ap.add_argument("--output-budget", type=int, default=64 << 20)
+    ap.add_argument("--sndhwm", type=int, default=256)
+    ap.add_argument("--heartbeat", type=float, default=0.5)
+    ap.add_argument("--peer-timeout", type=float, default=3.0)
+    ap.add_argument("--decode-delay", type=float, default=0.0)
+    ap.add_argument("--fail-condition", default=None)
+    ap.add_argument("--metrics-port", type=int, default=None)
+    args = ap.parse_args(argv)
+    configure_logging()
+    model = FakeModel(args.size, args.decode_delay)
+    core = FakeCore(model, FakeConfig(args.slots, args.max_queue, args.step_delay, args.fail_condition))
+    config = ProcConfig(address=args.address, heartbeat_interval_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
+                        output_budget_bytes=args.output_budget, sndhwm=args.sndhwm,
+                        metrics_port=args.metrics_port, model_name="fake")
+    return run_engine(core, model, config, lambda on_ready: InProcessDecodeStage(model, on_ready))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
