@@ -8,7 +8,7 @@ For each transport it starts an engine process, then, one request at a time:
                     is canceled right after, so the engine stays idle between samples;
   stats             Stats → StatsReply, the same path without the core's admission.
 `fake` runs tests/fake_core.py (no model: the transport and process overhead alone);
-`real` runs `python -m engine serve --device cpu` on the embedded model.
+`real` runs `python -m engine serve --device cpu` on the embedded model (or --model).
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--core", choices=("fake", "real"), default="fake")
     ap.add_argument("-n", type=int, default=2000, help="samples per transport")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--model", default="shapes", help="with --core real: 'shapes' or a diffusers model folder")
     args = ap.parse_args(argv)
 
     rows = []
@@ -63,13 +64,15 @@ def main(argv=None) -> int:
             if args.core == "fake":
                 command = [sys.executable, str(REPO / "tests" / "fake_core.py"), "--address", address]
             else:
-                command = [sys.executable, "-m", "engine", "serve", "--address", address, "--device", "cpu"]
+                command = [sys.executable, "-m", "engine", "serve", "--address", address, "--device", "cpu",
+                           "--model", args.model]
             with launched_engine(command, address, pathlib.Path(tmp) / f"{name}.log") as (_, client):
                 measure(client, args.warmup)
                 accepted, stats = measure(client, args.n)
             rows.append((name, accepted, stats))
 
-    print(f"core={args.core}, n={args.n} sequential samples per transport, microseconds")
+    print(f"core={args.core}{' model=' + args.model if args.core == 'real' else ''}, n={args.n} sequential "
+          "samples per transport, microseconds")
     print(f"{'transport':<10}{'submit→Accepted p50':>21}{'p99':>9}{'stats p50':>11}{'p99':>9}")
     for name, accepted, stats in rows:
         print(f"{name:<10}{np.percentile(accepted, 50):>21.0f}{np.percentile(accepted, 99):>9.0f}"

@@ -77,8 +77,9 @@ def serve(args: argparse.Namespace) -> int:
     core = EngineCore(model, config)
     proc_config = ProcConfig(address=address, allow_remote_bind=args.allow_remote_bind,
                              metrics_port=args.metrics_port, model_name=str(args.model))
-    return run_engine(core, model, proc_config,
-                      lambda on_ready: make_decode_stage(model, args.decode_workers, on_ready))
+    return run_engine(core, model, proc_config,  # the arena holds every decode that admission reserves
+                      lambda on_ready: make_decode_stage(model, args.decode_workers, on_ready,
+                                                         buffers=core.config.decode_buffers))
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ from engine.fences import fences_for
 from engine.kernels import update_slots
 from engine.model import LoadedModel
 from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings
-from engine.solvers import NUM_COEFS, SAMPLERS, Trajectory, UnsupportedSampler, build_schedule
+from engine.solvers import G, NUM_COEFS, SAMPLERS, Schedule, Trajectory, UnsupportedSampler, build_schedule
 
 log = logging.getLogger("diffslot.core")
 
@@ -44,7 +44,8 @@ class CoreConfig:
     layout: str = "compact"
     admission: str = "continuous"
     max_queue: int = 64  # requests waiting in front of admission; beyond it: Rejected
-    decode_buffers: int = 8  # decode-arena buffers; one reserved per request until decoded
+    decode_buffers: int | None = None  # decode-arena buffers, one held per request from admission
+    # until decoded; default 2 × slots, so decoding never caps the batch on its own
     max_steps: int = 500
     trajectory_budget_bytes: int | None = None  # default: `slots` requests at the native size
     output_budget_bytes: int | None = None  # default: `slots + decode_buffers` native outputs
@@ -55,6 +56,8 @@ class CoreConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {self.layout!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, not {self.admission!r}")
+        if self.decode_buffers is None:
+            self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1:
             raise ValueError("slots, decode_buffers and max_steps must be positive, max_queue non-negative")
 
@@ -195,7 +198,7 @@ class Group:
         self.stochastic = np.zeros(slots, dtype=bool)
         self.coef_table = np.zeros((slots, max_steps, NUM_COEFS), dtype=np.float32)
         self.timestep_table = np.zeros((slots, max_steps), dtype=np.float32)
-        self.scale_table = np.ones((slots, max_steps), dtype=np.float32)
+        self.divisor_table = np.ones((slots, max_steps), dtype=np.float32)
         self.last_fence = [None] * slots  # fence of the last launch that touched the slot
         self.last_served = -1  # step counter of the last batch, for fairness
 
@@ -216,7 +219,7 @@ class Batch:
     index: torch.Tensor  # entries × 4 int32: slot, cond row, uncond row, noise row
     coefs: torch.Tensor  # entries × NUM_COEFS float32
     row_slot: np.ndarray  # rows × slot feeding each row's input
-    row_scale: torch.Tensor
+    row_divisor: torch.Tensor
     row_timestep: torch.Tensor
     row_class: torch.Tensor
     noise: torch.Tensor
@@ -251,11 +254,17 @@ class EngineCore:
         self.outputs: list = []
         native = model.native_size
         native_reservation = self._reservation(model.latent_shape(native, native), native, native, "uint8")
+        # FIX (tests/test_core.py): the default output budget is `slots + decode_buffers` native
+        # outputs of the *largest* kind. Sized for "uint8" only, it fit fewer "latent" (or "png")
+        # outputs than slots where those are bigger (a model without a VAE: 4 float32 channels
+        # per pixel vs 3 bytes), so free slots stayed idle while requests queued.
+        native_output_bytes = max(self._reservation(model.latent_shape(native, native), native, native,
+                                                    kind).output_bytes for kind in OUTPUT_KINDS)
         self.ledger = Ledger(
             self.config.trajectory_budget_bytes or self.config.slots * native_reservation.trajectory_bytes,
             self.config.decode_buffers,
             self.config.output_budget_bytes
-            or (self.config.slots + self.config.decode_buffers) * native_reservation.output_bytes,
+            or (self.config.slots + self.config.decode_buffers) * native_output_bytes,
         )
         self.size_multiple = model.vae_scale * 2 ** (len(model.unet.config.block_out_channels) - 1)
         self.max_size = 4 * native
@@ -263,6 +272,7 @@ class EngineCore:
         self.stats_counters = collections.Counter()
         self.group_wait_max = 0  # head-of-line blocking: most batches a runnable group waited
         self.step_time_ema = 0.0
+        self._schedules: dict[tuple[str, int], Schedule] = {}  # (sampler, steps) → schedule at guidance 1
 
     # ---- public interface ------------------------------------------------------
 
@@ -386,16 +396,30 @@ class EngineCore:
                                       f"[{self.size_multiple}, {self.max_size}]", field)
             size[field] = value
         try:
-            schedule = build_schedule(p.sampler, model.scheduler_config, p.steps, float(p.guidance))
+            schedule = self._schedule(p.sampler, p.steps, float(p.guidance))
         except UnsupportedSampler as exc:
             raise RequestRejected(str(exc), "sampler") from None
         latent_shape = model.latent_shape(size["height"], size["width"])
         reservation = self._reservation(latent_shape, size["height"], size["width"], p.output)
         if not self.ledger.could_ever_fit(reservation):
-            raise RequestRejected("needs more memory than the engine holds at all", "height")
+            field = "height" if size["height"] >= size["width"] else "width"
+            raise RequestRejected("needs more memory than the engine holds at all", field)
         request = Request(request_id, p, latent_shape, model.condition_index(p.condition), arrival, reservation)
         request.trajectory = Trajectory(schedule, p.seed, latent_shape)
         return request
+
+    def _schedule(self, sampler: str, steps: int, guidance: float) -> Schedule:
+        """Building a diffusers scheduler costs milliseconds on the busy loop; a schedule
+        depends only on (sampler, steps) but for the guidance column, so keep one each."""
+        key = (sampler, steps)
+        base = self._schedules.get(key)
+        if base is None:
+            if len(self._schedules) >= 4096:
+                self._schedules.clear()
+            base = self._schedules[key] = build_schedule(sampler, self.model.scheduler_config, steps, 1.0)
+        coefs = base.coefs.copy()
+        coefs[:, G] = guidance
+        return dataclasses.replace(base, coefs=coefs)
 
     @staticmethod
     def _reservation(latent_shape, height: int, width: int, output: str) -> Reservation:
@@ -415,17 +439,27 @@ class EngineCore:
     def _admit(self) -> None:
         if self.config.admission == "static" and any(g.busy.any() for g in self.groups.values()):
             return  # a new batch only when the last one is finished, as a pipeline call
+        # FIX (R2, tests/test_core.py): a request whose group has no free slot is skipped, not
+        # waited on; it used to stop admission, so a request of another group with free slots
+        # queued behind it was starved until the full group drained. FIFO holds within a group
+        # (once a group is full, its later requests are skipped too), and a request that does
+        # not fit in memory still stops admission for everyone behind it, as before.
+        skipped: list[Request] = []
+        full_groups: set[tuple] = set()
         while self.queue:
             request = self.queue[0]
-            if not self.ledger.fits(request.reservation):
-                return  # FIFO: the head waits for memory; a known boundary, not a crash
             group = self._group_for(request)
-            slot = group.free_slot()
+            slot = -1 if group.key in full_groups else group.free_slot()
             if slot < 0:
-                return
+                full_groups.add(group.key)
+                skipped.append(self.queue.popleft())
+                continue
+            if not self.ledger.fits(request.reservation):
+                break  # FIFO: the head waits for memory; a known boundary, not a crash
             self.queue.popleft()
             self.ledger.take(request.reservation)
             self._place(request, group, slot)
+        self.queue.extendleft(reversed(skipped))
 
     def _group_for(self, request: Request) -> Group:
         model = self.model
@@ -449,7 +483,7 @@ class EngineCore:
         group.stochastic[slot] = schedule.stochastic
         group.coef_table[slot, :n] = schedule.coefs
         group.timestep_table[slot, :n] = schedule.timesteps
-        group.scale_table[slot, :n] = schedule.input_scale
+        group.divisor_table[slot, :n] = schedule.input_divisor
         group.latents[slot].copy_(request.trajectory.initial_latents().reshape(-1), non_blocking=True)
         group.history[slot].zero_()
         request.group, request.slot, request.state = group, slot, State.RUNNING
@@ -493,10 +527,10 @@ class EngineCore:
                 row_slot = np.concatenate([row_slot, np.full(pad, act[0])])
                 row_branch_uncond = np.concatenate([row_branch_uncond, np.ones(pad, dtype=bool)])
         useful = int(act.size + two.sum())
-        # per-row input scale and timestep at the row's slot's own step (idle slots: step 0)
+        # per-row input divisor and timestep at the row's slot's own step (idle slots: step 0)
         row_step = group.step_index[row_slot]
         row_step = np.where(group.runnable[row_slot], row_step, 0)
-        row_scale = group.scale_table[row_slot, row_step]
+        row_divisor = group.divisor_table[row_slot, row_step]
         row_timestep = group.timestep_table[row_slot, row_step]
         row_class = np.where(row_branch_uncond, self.model.null_index, group.cond_index[row_slot])
         # noise, drawn from each stochastic request's own generator, in its own order
@@ -515,7 +549,7 @@ class EngineCore:
             index=torch.from_numpy(index).to(self.device, non_blocking=True),
             coefs=torch.from_numpy(coefs).to(self.device, non_blocking=True),
             row_slot=row_slot,
-            row_scale=torch.from_numpy(row_scale).to(self.device, non_blocking=True),
+            row_divisor=torch.from_numpy(row_divisor).to(self.device, non_blocking=True),
             row_timestep=torch.from_numpy(row_timestep).to(self.device, non_blocking=True),
             row_class=torch.from_numpy(row_class).to(self.device, non_blocking=True),
             noise=noise,
@@ -528,7 +562,7 @@ class EngineCore:
         started = time.perf_counter()
         batch = self._build_batch(group)
         rows = torch.from_numpy(batch.row_slot).to(self.device, non_blocking=True)
-        x_in = group.latents.index_select(0, rows) * batch.row_scale[:, None]
+        x_in = group.latents.index_select(0, rows) / batch.row_divisor[:, None]  # as scale_model_input
         x_in = x_in.view(len(batch.row_slot), *group.latent_shape).to(self.model.dtype)
         out = self.model.denoise(x_in, batch.row_timestep, batch.row_class)
         update_slots(out.reshape(len(batch.row_slot), -1), group.latents, group.history, batch.noise,

@@ -104,7 +104,22 @@ class InProcessDecodeStage:
             self._on_ready()
 
 
-def make_decode_stage(model, workers: int, on_ready: Callable[[], None] | None = None):
-    """The decode stage for `--decode-workers N`. Until the worker processes exist
-    (R7), every N decodes in-process."""
-    return InProcessDecodeStage(model, on_ready=on_ready)
+def make_decode_stage(model, workers: int, on_ready: Callable[[], None] | None = None, *,
+                      buffers: int | None = None, **options):
+    """The decode stage for `--decode-workers N`.
+
+    N ≥ 1: `engine.decode_workers.MultiProcessDecodeStage` — N worker processes, each
+    loading the model's VAE from its folder, fed through a shared-memory arena of
+    `buffers` decode buffers (default: CoreConfig's `decode_buffers`, 8; pass the core's
+    value so the arena holds every decode admission reserves). Blocks until the workers
+    have loaded their model; raises if they cannot. `options` go to the stage
+    (decode_timeout_s, max_size, threads_per_worker, ...).
+    N == 0: decode on a thread of the engine process (`InProcessDecodeStage`).
+    """
+    if workers <= 0:
+        return InProcessDecodeStage(model, on_ready=on_ready)
+    from engine.decode_workers import MultiProcessDecodeStage
+
+    device = str(getattr(model, "device", "cpu"))
+    options.setdefault("pin_memory", device.startswith("cuda"))
+    return MultiProcessDecodeStage(model, workers, buffers or 8, device, on_ready=on_ready, **options)

@@ -6,7 +6,10 @@
                                                                           │
     client DEALERs ◀── ROUTER ◀── IO thread: encode, send, backlog ◀── output queue
 
-`EngineCore` knows nothing of sockets, threads or signals; this module owns them.
+`EngineCore` knows nothing of sockets, threads or signals; this module owns them. It
+drives the core only through add_request (which raises RequestRejected(reason, field,
+retry_after_s)), abort_requests, step (→ StepProgress, DenoiseFinished,
+RequestCanceled, RequestFailed), has_work, decode_done and stats.
 One ZMQ socket carries both directions and a ZMQ socket must stay on one thread, so
 a single IO thread owns the ROUTER: it decodes client frames and encodes engine
 messages off the busy loop. The busy loop blocks on its input queue only when the
@@ -441,6 +444,7 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         while not self._stopping:
             self._process_input_queue(block=not self._has_work())
+            self._publish()  # Accepted/Rejected/StatsReply leave now, not after the step
             self._process_engine_step()
             self._publish()
 
@@ -609,6 +613,11 @@ class EngineCoreProc:
                                  output.finished_at)
 
     def _on_request_canceled(self, output, record: _Request | None) -> None:
+        # [decode workers, issue 6] canceled while its decode is in the stage: tell the stage,
+        # so a worker skips or abandons it and the decode buffer comes back early (the stage
+        # still returns one DecodedOutput for it, which hands the reservation back).
+        if record is not None and record.in_decode and hasattr(self.decode_stage, "cancel"):
+            self.decode_stage.cancel(output.request_id)
         if record is not None and not record.terminal:
             timings = msgspec.structs.replace(output.timings, total_s=time.monotonic() - record.arrival)
             self.metrics.finished("canceled", timings)

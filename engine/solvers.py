@@ -12,7 +12,7 @@ coefficients of one update that the fused kernel (`engine.kernels`) applies in p
     x'   = a * x + e * out + b * x0 + ((x - m * x0u) / ks) * kt + hc * h + d * noise
     h'   = x0                            multistep history (DPM-Solver++), when `keep_history`
 
-and the model input of the step is `s_in * x` at timestep `t`. Every coefficient is
+and the model input of the step is `x / s_in` at timestep `t` (scale_model_input). Every coefficient is
 derived in float64 from diffusers' own float32 schedule arrays; the formulas follow
 each scheduler's `step()`. The `((x - m * x0u) / ks) * kt` term repeats diffusers' own
 order of operations where float32 cancellation would otherwise show: Euler's
@@ -115,7 +115,7 @@ class Schedule:
 
     coefs: np.ndarray  # steps × NUM_COEFS, float32
     timesteps: np.ndarray  # steps, float32: the denoiser's timestep input per step
-    input_scale: np.ndarray  # steps, float32: model input = input_scale * x
+    input_divisor: np.ndarray  # steps, float32: model input = x / input_divisor, as scale_model_input
     init_noise_sigma: float
     stochastic: bool  # draws noise at every step (euler_ancestral)
 
@@ -134,25 +134,25 @@ def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: f
     coefs[:, CLIP] = np.inf
     coefs[:, KS] = 1.0
     if sampler in ("euler", "euler_ancestral"):
-        sigmas = sched.sigmas.to(torch.float64).numpy()
-        input_scale = 1.0 / np.sqrt(sigmas[:-1] ** 2 + 1.0)
+        sig32 = sched.sigmas[:-1].to(torch.float32)
+        input_divisor = ((sig32**2 + 1) ** 0.5).double().numpy()  # float32, as scale_model_input
         _karras(coefs, sched.sigmas.to(torch.float32), prediction, ancestral=sampler == "euler_ancestral")
     elif sampler == "flow_euler":
         sigmas = sched.sigmas.to(torch.float64).numpy()
-        input_scale = np.ones(len(timesteps))
+        input_divisor = np.ones(len(timesteps))
         dt = sigmas[1:] - sigmas[:-1]
         coefs[:, A], coefs[:, E] = 1.0, dt  # x' = x + dt * velocity, as FlowMatchEulerDiscrete does
     elif sampler == "ddim":
-        input_scale = np.ones(len(timesteps))
+        input_divisor = np.ones(len(timesteps))
         _ddim(coefs, sched, timesteps.astype(np.int64), prediction)
     else:
-        input_scale = np.ones(len(timesteps))
+        input_divisor = np.ones(len(timesteps))
         _dpmpp_2m(coefs, sched, prediction)
     _fold(coefs)
     return Schedule(
         coefs=coefs.astype(np.float32),
         timesteps=timesteps.astype(np.float32),
-        input_scale=input_scale.astype(np.float32),
+        input_divisor=input_divisor.astype(np.float32),
         init_noise_sigma=init_noise_sigma(sched),
         stochastic=sampler == "euler_ancestral",
     )

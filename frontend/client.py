@@ -206,10 +206,10 @@ class Client:
                progress: bool = True) -> RequestHandle:
         """Queue a request; returns at once. `progress=False` asks the engine not to send
         Progress messages (handle.progress() then only ends)."""
-        self._check_usable()
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, request_id)
-        with self._lock:
+        with self._lock:  # atomic with _take_handles: a handle is either failed by death/close or never made
+            self._check_usable()
             if request_id in self._handles:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._handles[request_id] = handle
@@ -230,10 +230,10 @@ class Client:
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """Engine-wide counters: the core's stats and the process's own."""
-        self._check_usable()
         token = next(self._tokens)
         waiter = [threading.Event(), None]
         with self._lock:
+            self._check_usable()
             self._stats_waiters[token] = waiter
         self._send_soon(Stats(token))
         if not waiter[0].wait(timeout):
@@ -268,7 +268,10 @@ class Client:
         unsent: collections.deque = collections.deque()
         try:
             while not self._closing and self._dead is None:
-                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                wait_s = max(0.0, next_beat - time.monotonic())
+                if unsent:
+                    wait_s = min(wait_s, 0.005)  # our pipe was full: retry soon
+                events = dict(poller.poll(wait_s * 1000))
                 now = time.monotonic()
                 if sock in events:
                     last_heard = now
@@ -298,8 +301,6 @@ class Client:
                         self._declare_dead(f"no word from the engine for {timeout:g}s (engine hung or died)")
                     elif self.welcome is not None:
                         self._send(Heartbeat())
-                if unsent:
-                    next_beat = min(next_beat, now + 0.005)
         except Exception as exc:
             log.exception("client IO thread crashed")
             self._declare_dead(f"client IO thread crashed: {exc!r}")
@@ -310,8 +311,8 @@ class Client:
             for handle in self._take_handles():
                 handle._finish(Failed(handle.request_id, "client closed before the request finished"), None)
             self._welcomed.set()
-            monitor.close(linger=0)
             self._socket.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
             self._ctx.term()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import sys
 import time
@@ -24,6 +25,26 @@ def _segments() -> set[str]:
         return {p.name for p in SHM.iterdir() if "diffslot" in p.name}
     except FileNotFoundError:
         return set()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _leaked(name: str) -> bool:
+    """A segment is this run's leak when its owner (the pid in `diffslot-<pid>-...`) is
+    this process or is dead; another live engine's segment on the machine is not ours."""
+    match = re.match(r"diffslot-(?:test-)?(\d+)", name)
+    if not match:
+        return True
+    pid = int(match.group(1))
+    return pid == os.getpid() or not _pid_alive(pid)
 
 
 def _children() -> dict[int, str]:
@@ -50,7 +71,7 @@ def no_leaked_processes_or_segments():
     deadline = time.monotonic() + 3.0
     while True:
         left = {pid: cmd for pid, cmd in _children().items() if pid not in children_before}
-        new_segments = _segments() - segments_before
+        new_segments = {name for name in _segments() - segments_before if _leaked(name)}
         if not left and not new_segments or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -60,6 +81,8 @@ def no_leaked_processes_or_segments():
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+    # a killed leftover's segments now have a dead owner: they count too
+    new_segments = {name for name in _segments() - segments_before if _leaked(name)}
     for name in new_segments:
         (SHM / name).unlink(missing_ok=True)
     problems = [f"process {pid} left running: {cmd[:120]}" for pid, cmd in left.items()]

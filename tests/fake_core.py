@@ -1,8 +1,9 @@
 """A tiny deterministic stand-in for `engine.core.EngineCore`, without any model.
 
-Same interface (add_request / abort_requests / step / has_unfinished_requests /
-decode_done / stats) and the same output types, so the engine process, the wire
-protocol and the client library can be tested fast. Each step advances every
+Same interface (add_request / abort_requests / step / has_work /
+has_unfinished_requests / decode_done / stats) and output types of the same names and
+fields, so the engine process, the wire protocol and the client library can be tested
+fast, without torch or diffusers. Each step advances every
 running request by one; its final "latents" depend only on its own parameters, so
 a request's result never depends on its neighbours, as with the real core.
 
@@ -24,47 +25,46 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-try:
-    from engine.core import DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress
-except ModuleNotFoundError:  # TEMPORARY until engine/core.py lands: the interface's types, as stand-ins
-    import types
-
-    @dataclasses.dataclass
-    class StepProgress:
-        request_id: str
-        step: int
-        total: int
-
-    @dataclasses.dataclass
-    class DenoiseFinished:
-        request_id: str
-        latents: object
-        params: object
-        timings: object
-        finished_at: float
-
-    @dataclasses.dataclass
-    class RequestCanceled:
-        request_id: str
-        timings: object
-
-    @dataclasses.dataclass
-    class RequestFailed:
-        request_id: str
-        error: str
-
-    class RequestRejected(Exception):
-        def __init__(self, reason, field=None, retry_after_s=0.0):
-            super().__init__(reason)
-            self.reason, self.field, self.retry_after_s = reason, field, retry_after_s
-
-    _standin = types.ModuleType("engine.core")
-    _standin.__dict__.update(StepProgress=StepProgress, DenoiseFinished=DenoiseFinished,
-                             RequestCanceled=RequestCanceled, RequestFailed=RequestFailed,
-                             RequestRejected=RequestRejected)
-    sys.modules["engine.core"] = _standin
 from engine.models.shapes.draw import CONDITIONS, NULL_CONDITION  # noqa: E402
 from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings  # noqa: E402
+
+# The core's output types, by the same names and fields as engine.core's (the engine
+# process matches them by name), so the fake needs neither torch nor diffusers.
+
+
+@dataclasses.dataclass
+class StepProgress:
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclasses.dataclass
+class DenoiseFinished:
+    request_id: str
+    latents: np.ndarray  # C×H×W float32
+    params: GenerateParams
+    timings: Timings
+    finished_at: float
+
+
+@dataclasses.dataclass
+class RequestCanceled:
+    request_id: str
+    timings: Timings
+
+
+@dataclasses.dataclass
+class RequestFailed:
+    request_id: str
+    error: str
+
+
+class RequestRejected(Exception):
+    def __init__(self, reason: str, field: str | None = None, retry_after_s: float = 0.0):
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.reason, self.field, self.retry_after_s = reason, field, retry_after_s
+
 
 SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 MAX_STEPS = 1000
@@ -151,6 +151,9 @@ class FakeCore:
                 self.pending.append(RequestCanceled(rid, Timings()))
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.queue or self.running or self.pending or self.decoding)
+
+    def has_work(self) -> bool:
         return bool(self.queue or self.running or self.pending)
 
     def step(self) -> list:
@@ -186,18 +189,18 @@ class FakeCore:
         return not self.decoding.pop(request_id, True)
 
     def stats(self) -> dict:
-        return {
+        return {  # the real core's keys, and `decoding`
             "slots": self.config.slots,
-            "slots_used": len(self.running),
+            "slots_busy": len(self.running),
             "slot_occupancy": len(self.running) / self.config.slots,
             "queue_depth": len(self.queue),
             "decoding": len(self.decoding),
+            "batches": self.steps_run,
             "useful_evals": self.useful_evals,
-            "total_evals": self.total_evals,
-            "useful_eval_ratio": self.useful_evals / self.total_evals if self.total_evals else 1.0,
+            "padded_evals": self.total_evals - self.useful_evals,
+            "useful_ratio": self.useful_evals / self.total_evals if self.total_evals else 1.0,
             "canceled_evals": self.canceled_evals,
-            "stale_completions": 0,
-            "steps": self.steps_run,
+            "stale_reports": 0,
         }
 
     # ------------------------------------------------------------------ helpers

@@ -166,7 +166,7 @@ def test_cancel_while_queued_mid_denoise_and_after_the_last_step():
         assert outcomes <= {"Completed", "Canceled"}
         stats = wait_until(lambda: (s := c.stats())["requests_in_flight"] == 0 and s["decoding"] == 0 and s,
                            5, message="all requests finished")
-        assert stats["slots_used"] == 0 and stats["undelivered_output_bytes"] == 0
+        assert stats["slots_busy"] == 0 and stats["undelivered_output_bytes"] == 0
 
 
 @pytest.mark.timeout(60)
@@ -206,14 +206,14 @@ def test_killed_client_requests_are_canceled_and_slots_freed():
     with fake_engine("--slots", "4", "--step-delay", "0.01") as engine, Client(engine.address) as observer:
         with client_process(script, engine.address) as child:
             assert read_line(child) == "ready"
-            wait_until(lambda: observer.stats()["slots_used"] == 4, 5, message="slots filled")
+            wait_until(lambda: observer.stats()["slots_busy"] == 4, 5, message="slots filled")
             assert observer.stats()["queue_depth"] == 2
             child.kill()
             started = time.monotonic()
             stats = wait_until(lambda: (s := observer.stats())["requests_in_flight"] == 0 and s, 5,
                                message="dead client's requests canceled")
             assert time.monotonic() - started < 2.0  # its connection closed: no timeout needed
-        assert stats["slots_used"] == 0 and stats["queue_depth"] == 0 and stats["clients"] == 1
+        assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0 and stats["clients"] == 1
         assert isinstance(observer.submit(GenerateParams("red circle", steps=3)).result(5), Completed)
 
 
@@ -352,7 +352,7 @@ def test_closing_a_client_cancels_its_requests_and_queue_limits_reject():
             Client(engine.address) as observer:
         with Client(engine.address) as c:
             assert c.submit(GenerateParams("red circle", steps=1000)).accepted(5)
-            wait_until(lambda: observer.stats()["slots_used"] == 1, 5)
+            wait_until(lambda: observer.stats()["slots_busy"] == 1, 5)
             for _ in range(2):  # fill the queue
                 assert c.submit(GenerateParams("red circle", steps=1000)).accepted(5)
             full = c.submit(GenerateParams("red circle", steps=10)).result(5)
@@ -442,3 +442,35 @@ def test_demo_runs_clean(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)  # reaped, not a zombie or still running
     assert not shm_leftovers(engine_pid)
+
+
+@pytest.mark.timeout(30)
+def test_backlog_coalesces_progress_and_writes_off_a_client_too_far_behind():
+    import queue
+
+    import zmq
+
+    from engine.proc import ProcConfig, _IOThread, _Peer
+    from engine.protocol import Progress, Welcome
+    from engine.transport import Waker
+
+    ctx = zmq.Context()
+    router, waker = ctx.socket(zmq.ROUTER), Waker()
+    try:
+        inputs = queue.SimpleQueue()
+        io = _IOThread(router, ProcConfig("inproc://x", max_backlog_messages=3), Welcome(1, 1, 0.5, 3.0, 1),
+                       inputs, queue.SimpleQueue(), waker)
+        peer = io.peers[b"c"] = _Peer(last_seen=time.monotonic())
+        for step in range(1, 6):  # a reader that is behind sees only the latest step
+            io._enqueue(b"c", peer, Progress("r1", step, 5), [b"c", f"p{step}".encode()])
+        io._enqueue(b"c", peer, Canceled("r1"), [b"c", b"final"])
+        assert [entry[1][1] for entry in peer.backlog] == [b"p5", b"final"] and io.backlog_messages == 2
+        io._enqueue(b"c", peer, Progress("r2", 1, 5), [b"c", b"q1"])
+        assert b"c" in io.peers
+        io._enqueue(b"c", peer, Canceled("r2"), [b"c", b"final2"])  # the fourth message: too far behind
+        assert b"c" not in io.peers and io.backlog_messages == 0 and b"c" in io.gone
+        assert inputs.get_nowait()[:2] == ("gone", b"c")
+    finally:
+        router.close(linger=0)
+        waker.close()
+        ctx.term()

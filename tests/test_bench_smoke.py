@@ -1,0 +1,54 @@
+"""Smoke: `bench/bench_compaction.py --quick` runs as a script (from another directory, so
+its own sys.path set-up is what finds `engine` and `tests.reference`) and prints a table
+with a row for every layout at every quick fraction, and writes its JSON and plot."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_compaction.py"
+LAYOUTS = ("padded", "compact", "bucketed")
+QUICK_FRACTIONS = (0.25, 1.0)
+COLUMNS = 12  # layout, fraction, active, rows, useful, step, prep, denoiser, update, other, evals/s, vs padded
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_compaction_quick_mode_prints_every_layout_row(tmp_path):
+    out_json, out_png = tmp_path / "compaction.json", tmp_path / "compaction.png"
+    command = [sys.executable, str(SCRIPT), "--quick", "--model", "tiny", "--slots", "8", "--repeats", "2",
+               "--warmup", "0", "--threads", "1", "--json", str(out_json), "--plot", str(out_png)]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["layout", "fraction"])
+    rows = {}
+    for line in lines[header + 2:]:
+        cells = line.split()
+        if not cells:
+            continue  # blank line between fractions
+        if cells[0] not in LAYOUTS:
+            break
+        assert len(cells) == COLUMNS, line
+        layout, fraction, active, computed, useful = cells[0], float(cells[1]), *map(int, cells[2:5])
+        step_ms, prep_ms, denoise_ms, update_ms, _, rate, vs_padded = map(float, cells[5:])
+        assert step_ms > 0 and prep_ms > 0 and denoise_ms > 0 and update_ms > 0 and rate > 0, line
+        assert active == round(fraction * 8) and useful <= computed, line
+        rows[layout, fraction] = dict(rows=computed, useful=useful, vs_padded=vs_padded)
+    assert set(rows) == {(layout, f) for layout in LAYOUTS for f in QUICK_FRACTIONS}, proc.stdout
+    for f in QUICK_FRACTIONS:
+        assert rows["padded", f]["rows"] == 16 and rows["padded", f]["vs_padded"] == 1.0
+        assert rows["compact", f]["rows"] == rows["compact", f]["useful"]
+        assert rows["compact", f]["rows"] <= rows["bucketed", f]["rows"] <= 16
+
+    report = json.loads(out_json.read_text())
+    assert report["meta"]["model"] == "tiny" and report["meta"]["slots"] == 8
+    assert {(r["layout"], r["fraction"]) for r in report["results"]} == set(rows)
+    assert all(len(r["samples_ms"]) == 2 for r in report["results"])
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
