@@ -83,13 +83,14 @@ def encode(vae: AutoencoderKL, images: torch.Tensor, gen: torch.Generator) -> to
     return torch.cat([vae.encode(images[i:i + 512]).latent_dist.sample(gen) for i in range(0, len(images), 512)])
 
 
-def train_unet(latents: torch.Tensor, labels: torch.Tensor, steps: int, batch: int) -> UNet2DModel:
-    unet = make_unet()
+def train_unet(latents: torch.Tensor, labels: torch.Tensor, steps: int, batch: int,
+               start: UNet2DModel | None = None, lr: float = 1e-3) -> UNet2DModel:
+    unet = start.train().requires_grad_(True) if start is not None else make_unet()
     ema = copy.deepcopy(unet).requires_grad_(False)
     noise_sched = DDPMScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "set_alpha_to_one"})
-    opt = torch.optim.AdamW(unet.parameters(), lr=1e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
-    gen = torch.Generator().manual_seed(2)
+    opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    gen = torch.Generator().manual_seed(2 if start is None else 4)
     null = len(CONDITIONS)
     for i in (bar := tqdm(range(steps), desc="unet", mininterval=5)):
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
@@ -119,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--unet-steps", type=int, default=2500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vae-from", type=pathlib.Path, help="skip stage 1: load this trained VAE folder")
+    ap.add_argument("--unet-from", type=pathlib.Path, help="continue stage 2 from this UNet folder")
+    ap.add_argument("--unet-lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +136,9 @@ def main(argv=None) -> None:
     latents = encode(vae, images, torch.Generator().manual_seed(3))
     vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
     latents = latents * vae.config.scaling_factor
-    unet = train_unet(latents, torch.from_numpy(labels).long(), args.unet_steps, batch=64)
+    start_unet = UNet2DModel.from_pretrained(args.unet_from) if args.unet_from else None
+    unet = train_unet(latents, torch.from_numpy(labels).long(), args.unet_steps, batch=64,
+                      start=start_unet, lr=args.unet_lr)
     vae.save_pretrained(args.out / "vae")
     unet.save_pretrained(args.out / "unet")
     DDIMScheduler(**SCHEDULER_CONFIG).save_pretrained(args.out / "scheduler")
