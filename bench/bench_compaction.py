@@ -387,7 +387,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot, f"one engine step, {args.slots} slots, model {label}, "
-                                 f"torch {torch.__version__}, {meta['torch_threads']} threads, CPU")
+                                 f"torch {torch.__version__}, threads={meta['torch_threads']}, CPU")
         print(f"wrote {args.plot}")
     return 0
 

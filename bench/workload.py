@@ -31,8 +31,9 @@ server process and on the SAME seeded arrival schedule:
                         batch ends (a pipeline call cannot drop one row); those rows count as
                         padded, their work as canceled.
 
-The workload (seeded, `--seed`): Poisson arrivals at `--rate` requests/s for `--duration`
-seconds; step counts 5 / 20 / 50 (shares 0.4 / 0.35 / 0.25), samplers euler,
+The workload (seeded, `--seed`): Poisson arrivals at `--rate` requests/s (default 4: on 2
+busy CPU cores that is over static+padded's capacity and under continuous+compact's) for
+`--duration` seconds (default 30); step counts 5 / 20 / 50 (shares 0.4 / 0.35 / 0.25), samplers euler,
 euler_ancestral, ddim, dpmpp_2m and guidance 1.0 / 3.0 / 7.5 drawn uniformly, conditions
 and seeds at random, output PNG. A share (`--cancel-share`, 0.3) of the 50-step requests
 is canceled by its client when its Progress reaches a step drawn uniformly from 1..49
@@ -42,7 +43,11 @@ reads its results late (its IO thread dawdles `--slow-read` s on every result be
 taking it, so results pile up in the engine's per-client backlog; R8 says that must not
 stall anyone else).
 
-Per configuration, the server is started as a subprocess, waited for (handshake), warmed
+Every server is started at the beginning (`--no-prestart`: each just before its turn), so
+their start-ups overlap; a server waiting for its turn is idle (its busy loop and decode
+workers block), and the configurations run one at a time. Torch threads of each server:
+`--threads` (default CPUs − 1); decode workers: `--decode-workers` (default 1).
+Per configuration, the server is waited for (handshake), warmed
 up (one short request per sampler; schedules of every (sampler, steps) built), sampled
 with Stats every 0.2 s while the clients run (queue depth = backlog, busy slots =
 occupancy), and at the end its peak resident memory (VmHWM of /proc/<pid>/status, and of
@@ -64,8 +69,11 @@ model: everything in `core.step()` but the denoiser call and the update kernel, 
 denoiser call).
 
 Outputs: tables on stdout; `--json` (default bench/results/workload.json) with, under
-"configs", each configuration's `arrival_rate`, `service_rate` and `backlog` series in the
-schema `python -m engine queue-instrument --from-run` reads, plus richer fields;
+"configs", each configuration's `arrival_rate`, `service_rate` and `backlog` series (queue
+depth during the arrival window, where the fluid model's constant arrival rate applies; the
+whole series, drain included, is `backlog_all`) in the schema
+`python -m engine queue-instrument --from-run` reads, plus richer fields (per-class
+latencies, evaluation counts, occupancy series, every request's record, phase times);
 `--plot` (default bench/results/workload.png): time-to-usable-output CDF per configuration,
 slot occupancy and backlog over time.
 
@@ -194,7 +202,12 @@ def run_client_job(index: int, slow_read_s: float, address: str, t0: float, requ
             params = GenerateParams(condition=spec["condition"], steps=spec["steps"], sampler=spec["sampler"],
                                     guidance=spec["guidance"], seed=spec["seed"], output="png")
             record = dict(i=spec["i"], client=index, submitted=time.monotonic() - t0)
-            handle = client.submit(params, request_id=f"w{spec['i']}", progress=spec["cancel_at"] is not None)
+            try:
+                handle = client.submit(params, request_id=f"w{spec['i']}", progress=spec["cancel_at"] is not None)
+            except Exception as exc:  # the connection is dead: every later submit says so too
+                record["kind"], record["reason"] = "dead", f"submit failed: {exc}"
+                records.append(record)
+                continue
             handle.add_done_callback(lambda h, r=record: r.__setitem__("received", time.monotonic() - t0))
             if spec["cancel_at"] is not None:
                 threading.Thread(target=_cancel_when, args=(handle, spec["cancel_at"]), daemon=True).start()
@@ -559,40 +572,72 @@ def server_env(threads: int) -> dict:
     return env
 
 
-@contextlib.contextmanager
-def started_server(command: list[str], address: str, log_path: pathlib.Path, env: dict, ready_timeout: float = 180):
-    """The server subprocess and a connected Client; SIGTERM, reap (SIGKILL after 30 s) after."""
-    from frontend import Client
+class Server:
+    """One configuration's server subprocess (its own session, log file and ipc socket)."""
 
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log_file,
-                                   start_new_session=True)
-    client = None
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while client is None:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode} before it was ready:\n"
-                                   + log_path.read_text(errors="replace")[-3000:])
+    def __init__(self, name: str, args, tmp: pathlib.Path):
+        self.name = name
+        slug = name.replace("+", "-")
+        self.address = f"ipc://{tmp}/{slug}.sock"
+        self.log_path = tmp / f"{slug}.log"
+        self.command = server_command(name, args, self.address)
+        self.env = server_env(args.threads)
+        self.process: subprocess.Popen | None = None
+        self.client = None
+        self.started_at = 0.0
+        self.ready_s = None
+
+    def start(self) -> None:
+        print(f"[{self.name}] starting: {' '.join(self.command[1:])}", flush=True)
+        self.started_at = time.monotonic()
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
+                                            stderr=log_file, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_ready(self, timeout: float = 300.0):
+        """Handshake with a Client (the driver's: warm-up and Stats); returns it."""
+        from frontend import Client
+
+        deadline = time.monotonic() + timeout
+        while self.client is None:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name}: server exited with {self.process.returncode} before it was "
+                                   f"ready:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not ready within {ready_timeout:g}s")
-            candidate = Client(address, connect_timeout=1.0, name="workload-driver")
+                raise TimeoutError(f"{self.name}: server not ready within {timeout:g}s")
+            candidate = Client(self.address, connect_timeout=1.0, name="workload-driver")
             try:
                 candidate.connect()
-                client = candidate
+                self.client = candidate
             except ConnectionError:
                 pass
-        yield process, client
-    finally:
-        if client is not None:
-            client.close()
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        if self.ready_s is None:
+            self.ready_s = time.monotonic() - self.started_at
+        return self.client
+
+    def stop(self) -> int | None:
+        """SIGTERM, reap (SIGKILL after 30 s); returns the exit code."""
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
+            self.client = None
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
             try:
-                process.wait(30)
+                self.process.wait(30)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
 
 def warm_up(client, conditions: list[str]) -> None:
@@ -624,6 +669,7 @@ class StatsSampler(threading.Thread):
 
     def run(self) -> None:
         next_at = self.t0
+        self.stopping.wait(max(0.0, next_at - time.monotonic()))
         while not self.stopping.is_set():
             try:
                 s = self.client.stats(timeout=5.0)
@@ -637,42 +683,39 @@ class StatsSampler(threading.Thread):
             self.stopping.wait(max(0.0, next_at - time.monotonic()))
 
 
-def run_config(name: str, args, schedule: list[dict], pool: ClientPool, conditions: list[str], tmp: pathlib.Path) -> dict:
-    address = f"ipc://{tmp}/{name.replace('+', '-')}.sock"
-    log_path = tmp / f"{name.replace('+', '-')}.log"
-    command = server_command(name, args, address)
-    env = server_env(args.threads)
-    print(f"[{name}] starting: {' '.join(command[1:])}", flush=True)
+def run_config(server: Server, args, schedule: list[dict], pool: ClientPool, conditions: list[str]) -> dict:
+    name = server.name
     errors: list[str] = []
     phases = {}
-    started = time.monotonic()
-    with started_server(command, address, log_path, env) as (process, client):
-        pid = process.pid
-        phases["start_s"] = time.monotonic() - started
+    try:
+        client = server.wait_ready()
+        phases["start_s"] = server.ready_s
+        began = time.monotonic()
         warm_up(client, conditions)
-        phases["warmup_s"] = time.monotonic() - started - phases["start_s"]
+        phases["warmup_s"] = time.monotonic() - began
         before = client.stats()
         t0 = time.monotonic() + 1.0  # every client connected and waiting by then
         deadline = t0 + args.duration + args.drain_limit
         sampler = StatsSampler(client, t0)
         sampler.start()
-        records, client_errors = pool.run(address, t0, schedule, deadline)
+        records, client_errors = pool.run(server.address, t0, schedule, deadline)
         errors += client_errors
         wall = time.monotonic() - t0
         sampler.stopping.set()
         sampler.join(timeout=10)
         after = client.stats()
-        hwm = proc_status_kb(pid, "VmHWM")
-        workers_hwm = [proc_status_kb(kid, "VmHWM") or 0 for kid in children_of(pid)]
+        hwm = proc_status_kb(server.pid, "VmHWM")
+        workers_hwm = [proc_status_kb(kid, "VmHWM") or 0 for kid in children_of(server.pid)]
+    finally:
         stopping = time.monotonic()
+        exit_code = server.stop()
     phases["run_s"] = wall
     phases["stop_s"] = time.monotonic() - stopping
-    exit_code = process.returncode
-    leftovers = shm_leftovers(pid)
+    leftovers = shm_leftovers(server.pid)
     if leftovers:
-        errors.append(f"/dev/shm segments left by pid {pid}: {leftovers}")
-    if exit_code not in (0, None):
-        errors.append(f"server exited with {exit_code}; log tail:\n{log_path.read_text(errors='replace')[-2000:]}")
+        errors.append(f"/dev/shm segments left by pid {server.pid}: {leftovers}")
+    if exit_code != 0:
+        errors.append(f"server exited with {exit_code}; log tail:\n{server.log_tail(2000)}")
     for e in errors:
         print(f"[{name}] ERROR: {e}", file=sys.stderr, flush=True)
     result = summarize(name, schedule, records, sampler.samples, before, after, hwm, workers_hwm, wall, args,
@@ -705,9 +748,10 @@ def summarize(name, schedule, records, samples, before, after, hwm_kb, workers_h
         qd = [r["timings"]["queue_s"] for r in cls]
         dn = [r["timings"]["denoise_s"] for r in cls]
         dc = [r["timings"].get("decode_wait_s", 0.0) + r["timings"].get("decode_s", 0.0) for r in cls]
+        sv = [r["timings"]["total_s"] - r["timings"]["queue_s"] for r in cls]
         per_class[str(steps)] = dict(
             completed=len(cls), ttuo_p50=pct(tt, 50), ttuo_p99=pct(tt, 99), queue_p50=pct(qd, 50),
-            queue_p99=pct(qd, 99), denoise_p50=pct(dn, 50), decode_p50=pct(dc, 50),
+            queue_p99=pct(qd, 99), denoise_p50=pct(dn, 50), decode_p50=pct(dc, 50), service_p50=pct(sv, 50),
             client_e2e_p50=pct([r["received"] - r["submitted"] for r in cls if "received" in r], 50))
     all_tt = sorted(r["timings"]["total_s"] for r in done)
     slow_index = args.clients  # the last client process
@@ -727,12 +771,15 @@ def summarize(name, schedule, records, samples, before, after, hwm_kb, workers_h
     arrivals = [spec[r["i"]]["t"] for r in records]
     arrival_rate = len(arrivals) / max(1e-9, max(arrivals, default=0.0)) if arrivals else 0.0
     service_rate = finished / busy_s if busy_s > 0 else 0.0
-    backlog = [[round(s["t"], 3), s["queue"]] for s in samples if s["t"] >= 0] or [[0.0, 0]]
+    # the queue instrument's fluid model holds the arrival rate constant: give it the arrival
+    # window; the whole series, drain included, is `backlog_all`
+    backlog_all = [[round(s["t"], 3), s["queue"]] for s in samples if s["t"] >= 0] or [[0.0, 0]]
+    backlog = [pair for pair in backlog_all if pair[0] <= args.duration] or backlog_all[:1]
     return dict(
         name=name, admission=(CONFIGS[name] or ("batched", "pipeline"))[0],
         layout=(CONFIGS[name] or ("batched", "pipeline"))[1],
         arrival_rate=round(arrival_rate, 4), service_rate=round(service_rate, 4), initial_backlog=0,
-        backlog=backlog,
+        backlog=backlog, backlog_all=backlog_all,
         occupancy=[[round(s["t"], 3), round(s["busy"] / max(1, s["slots"]), 4)] for s in samples],
         requests=len(schedule), results=kinds, completed=len(done),
         goodput=len(done) / span, span_s=span, wall_s=wall, busy_s=busy_s,
@@ -753,7 +800,7 @@ def summarize(name, schedule, records, samples, before, after, hwm_kb, workers_h
 
 # ==================================================================== engine overhead, in-process
 
-def measure_overhead(model_path: str, slots: int, repeats: int, threads: int) -> list[dict]:
+def measure_overhead(model_path: str, slots: int, repeats: int, threads: int, quick: bool = False) -> list[dict]:
     """EngineCore in this process at `slots` slots, every slot busy with a mixed set (all
     four samplers, guidance 1/3/7.5, nobody finishing): time `core.step()` and, inside
     it, the denoiser call and the update kernel. Overhead = the rest (`_build_batch`,
@@ -769,46 +816,53 @@ def measure_overhead(model_path: str, slots: int, repeats: int, threads: int) ->
     model = load_model(model_path, "cpu")
     conditions = model.conditions[:-1]
     rows = []
-    for layout, active in (("compact", slots), ("compact", slots // 2), ("padded", slots), ("bucketed", slots)):
+    cases = [("compact", slots), ("compact", slots // 2), ("padded", slots), ("bucketed", slots)]
+    for layout, active in cases[:2] if quick else cases:
         steps = repeats + 10
         core = EngineCore(model, CoreConfig(slots=slots, layout=layout, max_queue=slots, max_steps=steps))
         for i in range(active):
             core.add_request(f"o{i}", GenerateParams(condition=conditions[i % len(conditions)], steps=steps,
                                                      sampler=SAMPLERS[i % 4], guidance=GUIDANCES[i % 3], seed=i,
                                                      output="latent"))
-        marks = {}
+        marks: dict[str, tuple[float, float]] = {}
         clock = time.perf_counter
 
         def wrap(key, fn):
             def timed(*a, **k):
-                start = clock()
+                began = clock()
                 try:
                     return fn(*a, **k)
                 finally:
-                    marks[key] = marks.get(key, 0.0) + clock() - start
+                    marks[key] = (began, clock())
             return timed
 
         update = core_module.update_slots
         core_module.update_slots = wrap("update", update)
         model.denoise = wrap("denoise", type(model).denoise.__get__(model))
+        core._build_batch = wrap("build", core._build_batch)
         samples = []
         try:
             for k in range(repeats + 3):
                 marks.clear()
-                start = clock()
+                began = clock()
                 core.step()
-                total = clock() - start
-                if k >= 3:  # the first steps admit and warm up
-                    samples.append((total, marks["denoise"], marks["update"]))
+                total = clock() - began
+                if k < 3:  # the first steps admit and warm up
+                    continue
+                (b0, b1), (d0, d1), (u0, u1) = marks["build"], marks["denoise"], marks["update"]
+                build, gather, denoise, upd = b1 - b0, d0 - b1, d1 - d0, u1 - u0
+                samples.append(dict(total=total, build=build, gather=gather, denoise=denoise, update=upd,
+                                    rest=total - build - gather - denoise - upd, overhead=total - denoise - upd))
         finally:
             core_module.update_slots = update
-            del model.denoise
-        total, denoise, upd = (float(np.median([s[i] for s in samples])) for i in range(3))
-        ratios = [(t - d - u) / d for t, d, u in samples]
+            del model.denoise, core._build_batch
+        med = {key: float(np.median([x[key] for x in samples])) * 1e3 for key in samples[0]}
         batch = core._build_batch(next(iter(core.groups.values())))
         rows.append(dict(layout=layout, slots=slots, active=active, rows=len(batch.row_slot),
-                         step_ms=total * 1e3, denoise_ms=denoise * 1e3, update_ms=upd * 1e3,
-                         overhead_ms=(total - denoise - upd) * 1e3, overhead_ratio=float(np.median(ratios)),
+                         step_ms=med["total"], build_ms=med["build"], gather_ms=med["gather"],
+                         rest_ms=med["rest"], denoise_ms=med["denoise"], update_ms=med["update"],
+                         overhead_ms=med["overhead"],
+                         overhead_ratio=float(np.median([x["overhead"] / x["denoise"] for x in samples])),
                          repeats=len(samples)))
     return rows
 
@@ -853,15 +907,18 @@ def print_tables(results: dict, overhead: list[dict], meta: dict) -> None:
         print(f"  {name:<21} slow {fmt(r['slow_client_e2e_p50'])}   others {fmt(r['other_clients_e2e_p50'])}")
     if overhead:
         print()
-        print(f"engine overhead per step, in-process EngineCore, {overhead[0]['slots']} slots "
-              f"(median of {overhead[0]['repeats']} steps; overhead = step − denoiser − update)")
-        head = (f"{'layout':<10}{'active':>7}{'rows':>6}{'step ms':>9}{'denoiser':>10}{'update':>8}"
-                f"{'overhead':>10}{'ovh/denoiser':>14}")
+        print(f"engine overhead per step, in-process EngineCore, {overhead[0]['slots']} slots, ms "
+              f"(median of {overhead[0]['repeats']} core.step() calls; overhead = step − denoiser − update =")
+        print("build (_build_batch) + gather (input index_select, scale, cast) + rest (fence, per-slot "
+              "bookkeeping, reaper, admission))")
+        head = (f"{'layout':<10}{'active':>7}{'rows':>6}{'step':>9}{'denoiser':>10}{'update':>8}{'build':>7}"
+                f"{'gather':>8}{'rest':>7}{'overhead':>10}{'ovh/denoiser':>14}")
         print(head)
         print("-" * len(head))
         for o in overhead:
             print(f"{o['layout']:<10}{o['active']:>7}{o['rows']:>6}{o['step_ms']:>9.2f}{o['denoise_ms']:>10.2f}"
-                  f"{o['update_ms']:>8.2f}{o['overhead_ms']:>10.2f}{100 * o['overhead_ratio']:>13.1f}%")
+                  f"{o['update_ms']:>8.2f}{o['build_ms']:>7.2f}{o['gather_ms']:>8.2f}{o['rest_ms']:>7.2f}"
+                  f"{o['overhead_ms']:>10.2f}{100 * o['overhead_ratio']:>13.1f}%")
 
 
 def targets(results: dict, overhead: list[dict]) -> dict:
@@ -872,6 +929,8 @@ def targets(results: dict, overhead: list[dict]) -> dict:
         pa, pb = a["per_class"][short]["ttuo_p50"], b["per_class"][short]["ttuo_p50"]
         out["goodput_ratio"] = a["goodput"] / b["goodput"] if b["goodput"] else None
         out["short_ttuo_p50_ratio"] = pb / pa if pa and pb else None
+        sa, sb = a["per_class"][short]["service_p50"], b["per_class"][short]["service_p50"]
+        out["short_service_p50_ratio"] = sb / sa if sa and sb else None  # TTUO less queue delay
         out["compact_padded_evals"] = a["padded_evals"]
     full = [o for o in overhead if o["layout"] == "compact" and o["active"] == o["slots"]]
     if full:
@@ -892,6 +951,8 @@ def print_targets(t: dict) -> None:
         s = t["short_ttuo_p50_ratio"]
         line(f"p50 TTUO of {STEP_CLASSES[0]}-step requests, static+padded / continuous+compact",
              fmt(s, ".2f") + "x", ">= 3x", s is not None and s >= 3)
+        v = t["short_service_p50_ratio"]
+        print(f"    (the same without queue delay, denoise + decode only: {fmt(v, '.2f')}x)")
         line("padded evaluations of continuous+compact", str(t["compact_padded_evals"]), "0",
              t["compact_padded_evals"] == 0)
     if "overhead_ratio_compact_full" in t:
@@ -906,46 +967,57 @@ def write_plot(path: pathlib.Path, results: dict, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    n = max(1, len(results))
+    fig = plt.figure(figsize=(17, 1.2 * n + 3.2))
+    grid = fig.add_gridspec(n, 3, width_ratios=(1.1, 1.2, 1.0), hspace=0.15, wspace=0.25)
     colors = dict(zip(CONFIGS, ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple")))
-    ax = axes[0]
+    ax = fig.add_subplot(grid[:, 0])
     for name, r in results.items():
-        tt = r["ttuo_all"]
-        if tt:
-            ax.step(tt, np.arange(1, len(tt) + 1) / len(tt), where="post", label=name, color=colors.get(name))
-        short = sorted(r["ttuo_short"])
-        if short:
-            ax.step(short, np.arange(1, len(short) + 1) / len(short), where="post", color=colors.get(name),
-                    linestyle=":", linewidth=1)
+        for values, style in ((r["ttuo_all"], dict(label=name)), (r["ttuo_short"], dict(linestyle=":", linewidth=1))):
+            if values:
+                x = np.concatenate([[values[0]], values])
+                y = np.arange(0, len(values) + 1) / len(values)
+                ax.step(x, y, where="post", color=colors.get(name), **style)
     ax.set_xscale("log")
     ax.set_xlabel("time to usable output, s (log)")
     ax.set_ylabel("fraction of completed requests")
     ax.set_title(f"TTUO CDF (solid: all, dotted: {STEP_CLASSES[0]}-step)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower right")
-    ax = axes[1]
-    for name, r in results.items():
+    end_t = max((r["occupancy"][-1][0] for r in results.values() if r["occupancy"]), default=1.0)
+    first = None
+    for k, (name, r) in enumerate(results.items()):
+        ax = fig.add_subplot(grid[k, 1], sharex=first)
+        first = first or ax
         occ = np.array(r["occupancy"]) if r["occupancy"] else np.zeros((0, 2))
         if len(occ):
-            ax.plot(occ[:, 0], occ[:, 1], label=name, color=colors.get(name), linewidth=1)
-    ax.axvline(meta["duration"], color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("time since first arrival window opened, s")
-    ax.set_ylabel("busy slots / slots")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("slot occupancy (dashed: arrivals stop)")
-    ax.grid(alpha=0.3)
-    ax = axes[2]
+            ax.fill_between(occ[:, 0], occ[:, 1], step="post", color=colors.get(name), alpha=0.35, linewidth=0)
+            ax.step(occ[:, 0], occ[:, 1], where="post", color=colors.get(name), linewidth=0.8)
+            ax.text(0.99, 0.8, f"{name}: mean {occ[:, 1].mean():.0%}", transform=ax.transAxes, ha="right",
+                    fontsize=8)
+        ax.axvline(meta["duration"], color="grey", linestyle="--", linewidth=0.8)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlim(0, end_t)
+        ax.set_yticks([0, 1])
+        ax.grid(alpha=0.3)
+        if k == 0:
+            ax.set_title("slot occupancy: busy slots / slots (dashed: arrivals stop)")
+        if k < n - 1:
+            ax.tick_params(labelbottom=False)
+        else:
+            ax.set_xlabel("time since the arrival window opened, s")
+    ax = fig.add_subplot(grid[:, 2])
     for name, r in results.items():
-        b = np.array(r["backlog"])
+        b = np.array(r["backlog_all"])
         ax.plot(b[:, 0], b[:, 1], label=name, color=colors.get(name), linewidth=1)
     ax.axvline(meta["duration"], color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("time, s")
+    ax.set_xlabel("time since the arrival window opened, s")
     ax.set_ylabel("queued requests (waiting for a slot)")
-    ax.set_title("backlog")
+    ax.set_title("backlog (Stats queue_depth every 0.2 s)")
     ax.grid(alpha=0.3)
     fig.suptitle(f"mixed workload, {meta['model']} model, {meta['slots']} slots, {meta['rate']:g} req/s offered, "
                  f"{meta['machine']}", fontsize=10)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.05, right=0.98, top=0.88, bottom=0.1)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -982,7 +1054,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="shapes", help="'shapes' (default; tiny fallback), 'tiny', or a folder")
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--rate", type=float, default=None, help="offered requests/s (default 6, quick 3)")
+    ap.add_argument("--rate", type=float, default=None, help="offered requests/s (default 4, quick 3)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 30, quick 5)")
     ap.add_argument("--clients", type=int, default=3, help="client processes besides the slow one")
     ap.add_argument("--slow-read", type=float, default=0.5, help="the slow client's delay per result, s")
@@ -994,6 +1066,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queue", type=int, default=None, help="engine --max-queue (default: the whole schedule)")
     ap.add_argument("--drain-limit", type=float, default=None, help="seconds allowed after arrivals end")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    ap.add_argument("--no-prestart", dest="prestart", action="store_false",
+                    help="start each server just before its turn (default: all at once at the beginning; "
+                         "idle servers sleep, so their start-up overlaps but runs never do)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: short run, fewer overhead repeats")
     ap.add_argument("--overhead-repeats", type=int, default=None)
     ap.add_argument("--no-overhead", action="store_true", help="skip the in-process overhead table")
@@ -1016,7 +1091,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    args.rate = args.rate or (3.0 if args.quick else 6.0)
+    args.rate = args.rate or (3.0 if args.quick else 4.0)
     args.duration = args.duration or (5.0 if args.quick else 30.0)
     args.drain_limit = args.drain_limit or (60.0 if args.quick else 240.0)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
@@ -1025,7 +1100,7 @@ def main(argv=None) -> int:
     from engine import transport
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="wl-", dir=transport.runtime_dir()))
-    pool = None
+    pool, servers = None, []
     try:
         args.model_path, model_label = resolve_model(args.model, tmp)
         conditions = json.loads((pathlib.Path(args.model_path) / "conditions.json").read_text())[:-1]
@@ -1045,17 +1120,24 @@ def main(argv=None) -> int:
         print(f"schedule: {len(schedule)} requests over {args.duration:g} s at {args.rate:g}/s "
               f"({meta['step_classes']} by steps, {meta['cancels']} to cancel), "
               f"{args.clients} clients + 1 slow; model {model_label}", flush=True)
+        servers = [Server(name, args, tmp) for name in names]
+        if args.prestart:  # start-up overlaps; idle servers sleep until their turn
+            for server in servers:
+                server.start()
         pool = ClientPool(total_clients, args.slow_read)
         results = {}
-        for name in names:
-            r = run_config(name, args, schedule, pool, conditions, tmp)
+        for server in servers:
+            name = server.name
+            if server.process is None:
+                server.start()
+            r = run_config(server, args, schedule, pool, conditions)
             results[name] = r
             print(f"[{name}] {r['completed']} completed, goodput {r['goodput']:.2f}/s, "
                   f"{r['results']}; phases {r['phases_s']}", flush=True)
         pool.close()
         pool = None
         overhead = [] if args.no_overhead else measure_overhead(args.model_path, OVERHEAD_SLOTS, repeats,
-                                                                args.threads)
+                                                                args.threads, args.quick)
         print_tables(results, overhead, meta)
         t = targets(results, overhead)
         print_targets(t)
@@ -1074,6 +1156,8 @@ def main(argv=None) -> int:
     finally:
         if pool is not None:
             pool.close()
+        for server in servers:
+            server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -122,4 +122,11 @@ def make_decode_stage(model, workers: int, on_ready: Callable[[], None] | None =
 
     device = str(getattr(model, "device", "cpu"))
     options.setdefault("pin_memory", device.startswith("cuda"))
+    # FIX [workload bench, issue 7]: on a CPU device the denoiser shares the cores with the decode
+    # workers, and the stage's default of cpu_count // workers torch threads per worker
+    # oversubscribes them: on 2 cores with the denoiser busy, one shapes-model VAE decode took
+    # ~430 ms p50 with 2 threads vs ~15 ms with 1 (OpenMP threads waiting on descheduled
+    # siblings), and decode dominated time to usable output. On CPU, one thread per worker.
+    if not device.startswith("cuda"):
+        options.setdefault("threads_per_worker", 1)
     return MultiProcessDecodeStage(model, workers, buffers or 8, device, on_ready=on_ready, **options)

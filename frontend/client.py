@@ -280,6 +280,12 @@ class Client:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        # FIX [workload bench, issue 7]: a message is word from the engine when it
+                        # is received. `last_heard` used to be only the poll time before this loop,
+                        # so a long drain (a slow reader's handling, a GIL-starved IO thread) left
+                        # it stale and the engine was declared dead ("no word for 3s") while its
+                        # messages, heartbeats included, were being read.
+                        last_heard = time.monotonic()
                         self._handle(decoder, frames)
                         if self.welcome is not None and timeout is None:
                             interval, timeout = self.welcome.heartbeat_interval_s, self.welcome.peer_timeout_s

@@ -2,8 +2,8 @@
 
 An image is one coloured shape (circle, square, triangle, cross) in pure-ish red, green
 or blue, of random size and position, on a plain grey-level background. The classifier
-is deterministic: it finds the pixels far from the background grey, takes the dominant
-channel as the colour and simple statistics of the mask's bounding box as the shape.
+is deterministic: it takes the saturated pixels as the shape, the dominant channel as
+the colour and simple statistics of the mask's bounding box as the shape's kind.
 """
 from __future__ import annotations
 
@@ -52,16 +52,18 @@ def draw(n: int, rng: np.random.Generator, labels: np.ndarray | None = None):
 
 
 def classify(images: np.ndarray) -> list[tuple[str | None, str | None]]:
-    """(colour, shape) of each uint8 H×W×3 image; None where nothing is found."""
+    """(colour, shape) of each uint8 H×W×3 image; None where nothing is found.
+
+    The shape is the set of saturated pixels: the background is grey (equal channels), a
+    shape is one strong primary, so the spread between channels separates them, and
+    unsaturated halos or smudges around a sampled shape do not count as shape."""
     out = []
     for img in np.asarray(images, dtype=np.float32) / 255.0:
-        border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
-        bg = np.median(border, axis=0)
-        mask = np.abs(img - bg).max(axis=-1) > 0.2
+        mask = img.max(axis=-1) - img.min(axis=-1) > 0.4
         if mask.sum() < 12:
             out.append((None, None))
             continue
-        color = COLORS[int(np.argmax(img[mask].mean(axis=0) - bg))]
+        color = COLORS[int(np.argmax(img[mask].mean(axis=0)))]
         out.append((color, _shape_of(mask)))
     return out
 
