@@ -31,8 +31,8 @@ server process and on the SAME seeded arrival schedule:
                         batch ends (a pipeline call cannot drop one row); those rows count as
                         padded, their work as canceled.
 
-The workload (seeded, `--seed`): Poisson arrivals at `--rate` requests/s (default 4: on 2
-busy CPU cores that is over static+padded's capacity and under continuous+compact's) for
+The workload (seeded, `--seed`): Poisson arrivals at `--rate` requests/s (default 5: on 2
+busy CPU cores that is about twice static+padded's capacity and under continuous+compact's) for
 `--duration` seconds (default 30); step counts 5 / 20 / 50 (shares 0.4 / 0.35 / 0.25), samplers euler,
 euler_ancestral, ddim, dpmpp_2m and guidance 1.0 / 3.0 / 7.5 drawn uniformly, conditions
 and seeds at random, output PNG. A share (`--cancel-share`, 0.3) of the 50-step requests
@@ -673,8 +673,10 @@ class StatsSampler(threading.Thread):
         while not self.stopping.is_set():
             try:
                 s = self.client.stats(timeout=5.0)
-            except Exception:
+            except TimeoutError:
                 s = None
+            except Exception:  # the server is gone
+                return
             if s is not None:
                 self.samples.append(dict(t=time.monotonic() - self.t0, queue=int(s.get("queue_depth", 0)),
                                          busy=int(s.get("slots_busy", 0)), slots=int(s.get("slots", 1)),
@@ -703,7 +705,11 @@ def run_config(server: Server, args, schedule: list[dict], pool: ClientPool, con
         wall = time.monotonic() - t0
         sampler.stopping.set()
         sampler.join(timeout=10)
-        after = client.stats()
+        try:
+            after = client.stats()
+        except Exception as exc:  # the server died: say so, with its log, and report what was measured
+            errors.append(f"no final Stats ({exc}); server log tail:\n{server.log_tail(4000)}")
+            after = dict(before)
         hwm = proc_status_kb(server.pid, "VmHWM")
         workers_hwm = [proc_status_kb(kid, "VmHWM") or 0 for kid in children_of(server.pid)]
     finally:
@@ -1054,7 +1060,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="shapes", help="'shapes' (default; tiny fallback), 'tiny', or a folder")
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--rate", type=float, default=None, help="offered requests/s (default 4, quick 3)")
+    ap.add_argument("--rate", type=float, default=None, help="offered requests/s (default 5, quick 3)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 30, quick 5)")
     ap.add_argument("--clients", type=int, default=3, help="client processes besides the slow one")
     ap.add_argument("--slow-read", type=float, default=0.5, help="the slow client's delay per result, s")
@@ -1091,7 +1097,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    args.rate = args.rate or (3.0 if args.quick else 4.0)
+    args.rate = args.rate or (3.0 if args.quick else 5.0)
     args.duration = args.duration or (5.0 if args.quick else 30.0)
     args.drain_limit = args.drain_limit or (60.0 if args.quick else 240.0)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
@@ -1100,7 +1106,7 @@ def main(argv=None) -> int:
     from engine import transport
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="wl-", dir=transport.runtime_dir()))
-    pool, servers = None, []
+    pool, servers, keep = None, [], False
     try:
         args.model_path, model_label = resolve_model(args.model, tmp)
         conditions = json.loads((pathlib.Path(args.model_path) / "conditions.json").read_text())[:-1]
@@ -1125,12 +1131,18 @@ def main(argv=None) -> int:
             for server in servers:
                 server.start()
         pool = ClientPool(total_clients, args.slow_read)
-        results = {}
+        results, failed = {}, []
         for server in servers:
             name = server.name
             if server.process is None:
                 server.start()
-            r = run_config(server, args, schedule, pool, conditions)
+            try:
+                r = run_config(server, args, schedule, pool, conditions)
+            except Exception:
+                failed.append(name)
+                print(f"[{name}] FAILED:\n{traceback.format_exc()}\nserver log tail:\n{server.log_tail(6000)}",
+                      file=sys.stderr, flush=True)
+                continue
             results[name] = r
             print(f"[{name}] {r['completed']} completed, goodput {r['goodput']:.2f}/s, "
                   f"{r['results']}; phases {r['phases_s']}", flush=True)
@@ -1148,17 +1160,24 @@ def main(argv=None) -> int:
         if args.plot:
             write_plot(args.plot, results, meta)
             print(f"wrote {args.plot}")
-        bad = [n for n, r in results.items() if r["errors"]]
+        bad = failed + [n for n, r in results.items() if r["errors"]]
         if bad:
+            keep = True
             print(f"errors in: {', '.join(bad)}", file=sys.stderr)
             return 1
         return 0
+    except BaseException:
+        keep = True
+        raise
     finally:
         if pool is not None:
             pool.close()
         for server in servers:
             server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if keep:
+            print(f"server logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _has_cuda_device() -> bool:
