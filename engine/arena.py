@@ -49,6 +49,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from engine import _C
+from engine.transport import pid_alive
 
 log = logging.getLogger("diffslot.arena")
 
@@ -150,20 +151,6 @@ def _process_start(pid: int) -> float | None:
         return None if boot is None else boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    try:  # a zombie is as dead as it gets for our purposes
-        text = pathlib.Path(f"/proc/{pid}/stat").read_text()
-        return text[text.rindex(")") + 2:].split()[0] != "Z"
-    except (OSError, ValueError):
-        return True
 
 
 def sweep_stale(directory: pathlib.Path | str = SHM_DIR) -> list[str]:

@@ -38,13 +38,18 @@ def ipc_path(address: str) -> pathlib.Path | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process runs under this pid (a zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        return True  # someone else's live process
+    try:
+        text = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        return text[text.rindex(")") + 2:].split()[0] != "Z"
+    except (OSError, ValueError):
         return True
-    return True
 
 
 def check_bind_address(address: str, allow_remote: bool = False) -> None:

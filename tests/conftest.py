@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from engine.transport import pid_alive
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests.reference` and friends import from the repo root
     sys.path.insert(0, str(ROOT))
@@ -27,16 +29,6 @@ def _segments() -> set[str]:
         return set()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def _leaked(name: str) -> bool:
     """A segment is this run's leak when its owner (the pid in `diffslot-<pid>-...`) is
     this process or is dead; another live engine's segment on the machine is not ours."""
@@ -44,7 +36,7 @@ def _leaked(name: str) -> bool:
     if not match:
         return True
     pid = int(match.group(1))
-    return pid == os.getpid() or not _pid_alive(pid)
+    return pid == os.getpid() or not pid_alive(pid)
 
 
 def _children() -> dict[int, str]:
