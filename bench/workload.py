@@ -547,6 +547,13 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def shm_leftovers(pid: int) -> list[str]:
     if not os.path.isdir("/dev/shm"):
         return []
@@ -711,7 +718,8 @@ def run_config(server: Server, args, schedule: list[dict], pool: ClientPool, con
             errors.append(f"no final Stats ({exc}); server log tail:\n{server.log_tail(4000)}")
             after = dict(before)
         hwm = proc_status_kb(server.pid, "VmHWM")
-        workers_hwm = [proc_status_kb(kid, "VmHWM") or 0 for kid in children_of(server.pid)]
+        workers_hwm = [proc_status_kb(kid, "VmHWM") or 0 for kid in children_of(server.pid)
+                       if b"resource_tracker" not in _cmdline(kid)]  # decode workers, not spawn's helper
     finally:
         stopping = time.monotonic()
         exit_code = server.stop()
@@ -1105,6 +1113,8 @@ def main(argv=None) -> int:
 
     from engine import transport
 
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # unwind through `finally`: reap the servers
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="wl-", dir=transport.runtime_dir()))
     pool, servers, keep = None, [], False
     try:
