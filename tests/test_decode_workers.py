@@ -300,7 +300,8 @@ def test_worker_killed_mid_decode_is_replaced_and_its_request_fails(vae_folder, 
         lat = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(5))
         for rid in ("victim", "other-1", "other-2"):
             stage.submit(rid, lat, params("png"), Timings(), time.monotonic())
-        wait_for(lambda: any(r["state"] == "CLAIMED" for r in stage.inflight()))
+        # the worker claims (CAS) first and writes its pid into the header just after
+        wait_for(lambda: any(r["state"] == "CLAIMED" and r["worker_pid"] for r in stage.inflight()))
         (row,) = [r for r in stage.inflight() if r["state"] == "CLAIMED"]
         assert row["request_id"] == "victim" and row["worker_pid"] == pids[0]
         os.kill(pids[0], signal.SIGKILL)
