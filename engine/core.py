@@ -28,6 +28,7 @@ import torch
 from engine.fences import fences_for
 from engine.kernels import update_slots
 from engine.model import LoadedModel
+from engine.outputs import DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress  # noqa: F401
 from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings
 from engine.solvers import G, NUM_COEFS, SAMPLERS, Schedule, Trajectory, UnsupportedSampler, build_schedule
 
@@ -60,44 +61,6 @@ class CoreConfig:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1:
             raise ValueError("slots, decode_buffers and max_steps must be positive, max_queue non-negative")
-
-
-# ---- outputs of step() -------------------------------------------------------------
-
-@dataclasses.dataclass
-class StepProgress:
-    request_id: str
-    step: int
-    total: int
-
-
-@dataclasses.dataclass
-class DenoiseFinished:
-    request_id: str
-    latents: torch.Tensor  # C×H×W float32 on CPU, as the denoiser sees them
-    params: GenerateParams
-    timings: Timings
-    finished_at: float
-
-
-@dataclasses.dataclass
-class RequestCanceled:
-    request_id: str
-    timings: Timings
-
-
-@dataclasses.dataclass
-class RequestFailed:
-    request_id: str
-    error: str
-
-
-class RequestRejected(Exception):
-    """Bad input or no room: the request is not taken; nothing else is affected."""
-
-    def __init__(self, reason: str, field: str | None = None, retry_after_s: float = 0.0):
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.reason, self.field, self.retry_after_s = reason, field, retry_after_s
 
 
 # ---- request and slot state ----------------------------------------------------------

@@ -48,6 +48,7 @@ import zmq
 
 from engine import transport
 from engine.decode_stage import DecodedOutput
+from engine.outputs import DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress
 from engine.proc_metrics import EngineMetrics
 from engine.protocol import (
     PROTOCOL_VERSION, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed, GenerateParams,
@@ -344,13 +345,11 @@ class EngineCoreProc:
         self._last_stats = 0.0
         self._ipc_file: str | None = None
         self._core_has_work = getattr(core, "has_work", core.has_unfinished_requests)
-        # The core's outputs are matched by class name rather than imported: engine.core
-        # pulls in torch and diffusers, which a process around a test double need not load.
         self._output_handlers = {
-            "StepProgress": self._on_step_progress,
-            "DenoiseFinished": self._on_denoise_finished,
-            "RequestCanceled": self._on_request_canceled,
-            "RequestFailed": self._on_request_failed,
+            StepProgress: self._on_step_progress,
+            DenoiseFinished: self._on_denoise_finished,
+            RequestCanceled: self._on_request_canceled,
+            RequestFailed: self._on_request_failed,
         }
 
         transport.check_bind_address(config.address, config.allow_remote_bind)
@@ -532,12 +531,12 @@ class EngineCoreProc:
             return
         try:
             self.core.add_request(rid, msg.params, arrival_time=arrival)
-        except Exception as exc:
-            if type(exc).__name__ == "RequestRejected":
-                self._reject(client, msg.request_id, exc.reason, exc.field, exc.retry_after_s)
-            else:  # a core bug on odd input must not take the engine down (R11)
-                log.exception("request %s: add_request failed", rid)
-                self._reject(client, msg.request_id, f"internal error: {exc!r}", None)
+        except RequestRejected as exc:
+            self._reject(client, msg.request_id, exc.reason, exc.field, exc.retry_after_s)
+            return
+        except Exception as exc:  # a core bug on odd input must not take the engine down (R11)
+            log.exception("request %s: add_request failed", rid)
+            self._reject(client, msg.request_id, f"internal error: {exc!r}", None)
             return
         self._requests[rid] = _Request(client.identity, msg.request_id, arrival, reserve, msg.progress)
         client.requests.add(rid)
@@ -589,7 +588,7 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ outputs
     def _handle_core_output(self, output) -> None:
-        handler = self._output_handlers.get(type(output).__name__)
+        handler = self._output_handlers.get(type(output))
         if handler is None:
             log.warning("unknown core output %r", output)
             return

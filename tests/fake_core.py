@@ -28,43 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.models.shapes.draw import CONDITIONS, NULL_CONDITION  # noqa: E402
 from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings  # noqa: E402
 
-# The core's output types, by the same names and fields as engine.core's (the engine
-# process matches them by name), so the fake needs neither torch nor diffusers.
-
-
-@dataclasses.dataclass
-class StepProgress:
-    request_id: str
-    step: int
-    total: int
-
-
-@dataclasses.dataclass
-class DenoiseFinished:
-    request_id: str
-    latents: np.ndarray  # C×H×W float32
-    params: GenerateParams
-    timings: Timings
-    finished_at: float
-
-
-@dataclasses.dataclass
-class RequestCanceled:
-    request_id: str
-    timings: Timings
-
-
-@dataclasses.dataclass
-class RequestFailed:
-    request_id: str
-    error: str
-
-
-class RequestRejected(Exception):
-    def __init__(self, reason: str, field: str | None = None, retry_after_s: float = 0.0):
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.reason, self.field, self.retry_after_s = reason, field, retry_after_s
-
+from engine.outputs import (  # noqa: E402 - the core's own output types, torch-free
+    DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
+)
 
 SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 MAX_STEPS = 1000
