@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +35,10 @@ GUIDANCES = (1.0, 3.0, 7.5)
 STEPS = (10, 20, 30, 50)
 TARGET_US_64 = 200.0
 
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # diffusers + numpy 2
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # diffusers + numpy 2
+]
 
 
 def prepared_core(slots: int, layout: str = "compact", seed: int = 0):
@@ -53,14 +57,6 @@ def prepared_core(slots: int, layout: str = "compact", seed: int = 0):
     rng = np.random.default_rng(seed)
     group.step_index[:] = rng.integers(0, group.total_steps)  # every slot mid-way, at its own step
     return core, group
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("slots", [8, 64, 256])

@@ -14,6 +14,8 @@ import pathlib
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -51,14 +53,6 @@ def make_inputs(entries: int, shape: tuple, device: str, model_dtype=torch.float
 
 def _label(entries, shape):
     return f"update {entries} entries x {'x'.join(map(str, shape))}"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
