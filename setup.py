@@ -7,7 +7,8 @@ setup(
     description="Serving engine for diffusion image generation: per-request trajectories in a shared batch of slots",
     python_requires=">=3.11",
     packages=find_packages(include=["engine", "engine.*", "frontend", "frontend.*"]),
-    package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*"]},
+    package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*"],
+                  "engine.instrument": ["page.html"]},
     ext_modules=[
         Extension(
             "engine._C",
@@ -20,6 +21,7 @@ setup(
         # than downloading a multi-GB CUDA build of a newer release.
         "torch==2.13.0",
         "diffusers>=0.35",
+        "transformers>=4.45",  # the pipelines' text encoders and tokenizers
         "triton>=3.0",
         "pyzmq>=26",
         "msgspec>=0.19",
@@ -28,9 +30,13 @@ setup(
         "numpy",
         "prometheus-client",
         "tqdm",
+        "fastapi",  # the OpenAI-compatible HTTP gateway (frontend.http)
+        "uvicorn",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "pytest-benchmark", "hypothesis", "matplotlib", "selenium>=4.11"],
+        "ray": ["ray[serve]>=2.60"],  # frontend.ray_app: scale-out on Ray Serve
+        "dev": ["pytest", "pytest-timeout", "pytest-benchmark", "hypothesis", "matplotlib", "selenium>=4.11",
+                "openai>=1.80", "httpx", "ray[serve]>=2.60"],
     },
     entry_points={"console_scripts": ["diffslot=engine.__main__:main"]},
 )

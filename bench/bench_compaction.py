@@ -1,23 +1,26 @@
 """Compaction vs padding: one engine step at several active fractions, per layout (R4).
 
-    python bench/bench_compaction.py [--model shapes|tiny|PATH] [--slots 64] [--repeats N]
+    python bench/bench_compaction.py [--model shapes|tiny-sd|PATH] [--slots 64] [--repeats N]
                                      [--quick] [--json OUT] [--plot OUT.png]
 
-For each layout (`padded`, `compact`, `bucketed`) and each active fraction f (1/8, 1/4,
-1/2, 3/4, 1) an EngineCore with `--slots` slots gets round(f * slots) requests (guidance
+The model is the text model (`--model shapes`, a StableDiffusionPipeline folder; while
+its text-to-image weights have not landed, the tiny SD folder `tiny-sd` of
+`engine.testing.tiny_pipelines.build_sd`, with a printed note). For each layout (`padded`,
+`compact`, `bucketed`) and each active fraction f (1/8, 1/4, 1/2, 3/4, 1) an EngineCore
+with `--slots` slots gets round(f * slots) requests (prompts "a {color} {shape}", guidance
 alternating 1.0 and 3.0, i.e. 1 and 2 rows per slot; samplers euler and dpmpp_2m, both
 deterministic so no noise is drawn; steps enough that nobody finishes) admitted with
-`core._admit()`; then `core._run_batch(group)` is timed directly. All layouts are measured
+`core._admit()` (its encode phase included); then `core._run_batch(group)` is timed directly. All layouts are measured
 in one run: every repeat runs every (fraction, layout) once, the layouts in a rotating
 order, so machine noise hits all of them alike; the table reports medians over repeats.
 
-Each step is split into
-  prep      `_build_batch` (row map, per-row tables, host→device copies) plus the input
-            gather (`latents.index_select` of the row slots, input scale, dtype cast):
-            the cost of compaction itself;
-  denoiser  the `model.denoise` call on the rows computed;
-  update    the per-slot update (`update_slots`: torch reference on CPU, Triton on CUDA);
-  other     the rest of `_run_batch` (fence, per-slot bookkeeping).
+Each step is split, without patching anything, into
+  denoiser  the `model.denoise` call on the rows computed, timed by the model object the
+            core is given (`workload_common.TimedDenoiser`, a wrapper that forwards the rest);
+  host      step − denoiser: everything else `_run_batch` does (row map, input gather, the
+            per-slot update, fence and bookkeeping): the cost of the engine around the model;
+  build     `_build_batch` alone (row map, per-row tables, host→device copies), timed by
+            calling it once more before the step: the part of `host` that compaction adds.
 Useful evals/s = useful rows (1 or 2 per active slot) / median step time; "vs padded" is
 that rate over padded's at the same fraction.
 
@@ -33,7 +36,6 @@ smoke, on the tiny test model with 8 slots and two fractions.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -47,16 +49,13 @@ import sys
 import time
 import warnings
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `engine` and `tests.reference` import from the repo root
-    sys.path.insert(0, str(REPO))
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import engine.core as core_module  # noqa: E402
 from engine.core import CoreConfig, EngineCore, Group  # noqa: E402
+from engine.core.engine_core import _bucket  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
+from workload_common import PROMPTS, TimedDenoiser, bench_model_folder  # noqa: E402
 
 LAYOUTS = ("padded", "compact", "bucketed")
 FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -70,19 +69,23 @@ SMOKE_SLOTS = 8
 
 @functools.lru_cache(maxsize=None)
 def load_bench_model(name: str = "shapes"):
-    """(model, label). `shapes` falls back to the tiny test model, with a printed note,
-    while its trained weights are missing."""
-    if name != "tiny":
-        from engine.model import load_model
-        try:
-            return load_model(name, device="cpu"), str(name)
-        except FileNotFoundError as exc:
-            if name != "shapes":
-                raise
-            print(f"note: the trained shapes model is not available ({exc}); "
-                  "falling back to the tiny random-weight test model", flush=True)
-    from tests.reference import tiny_model
-    return tiny_model("epsilon"), "tiny"
+    """(model, label): the text model (`shapes`; `tiny-sd` while its weights have not
+    landed), `tiny-sd`, or a folder. A tiny SD folder is built once per process."""
+    from engine.models.loading import load_model
+
+    folder, label = bench_model_folder(name, _scratch())
+    return load_model(folder, device="cpu"), label
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch() -> pathlib.Path:
+    import atexit
+    import shutil
+    import tempfile
+
+    path = pathlib.Path(tempfile.mkdtemp(prefix="bench-compaction-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 # ---- one engine, one layout, one fraction ----------------------------------------------
@@ -92,35 +95,12 @@ class Sample:
     """One timed `_run_batch`, in seconds."""
 
     total: float
-    build: float = math.nan  # _build_batch
-    gather: float = math.nan  # index_select of the row slots, input scale, dtype cast
-    denoise: float = math.nan
-    update: float = math.nan
+    denoise: float = math.nan  # the model's denoiser call, as the TimedDenoiser saw it
+    build: float = math.nan  # `_build_batch` alone, called once more before the step
 
     @property
-    def prep(self) -> float:
-        return self.build + self.gather
-
-    @property
-    def other(self) -> float:
-        return self.total - self.prep - self.denoise - self.update
-
-
-class _Probe:
-    def __init__(self):
-        self.marks: dict[str, tuple[float, float]] = {}
-
-    def wrap(self, name, fn):
-        marks, clock = self.marks, time.perf_counter
-
-        def timed(*args, **kwargs):
-            start = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                marks[name] = (start, clock())
-
-        return timed
+    def host(self) -> float:
+        return self.total - self.denoise
 
 
 class StepBench:
@@ -132,11 +112,12 @@ class StepBench:
         self.layout, self.slots, self.active, self.steps = layout, slots, active, steps
         config = CoreConfig(slots=slots, layout=layout, admission="continuous", max_queue=slots,
                             decode_buffers=slots, max_steps=steps, device="cpu")
-        self.core = core = EngineCore(model, config)
-        conditions = model.conditions[:-1]  # the null condition is last
+        self.timed = TimedDenoiser(model)
+        self.core = core = EngineCore(self.timed, config)
+        prompts = [p for p in model.prompts if p] or list(PROMPTS)  # class names, or free text
         for i in range(active):
             core.add_request(f"bench-{i}", GenerateParams(
-                condition=conditions[i % len(conditions)], steps=steps, sampler=SAMPLERS[(i // 2) % len(SAMPLERS)],
+                prompt=prompts[i % len(prompts)], steps=steps, sampler=SAMPLERS[(i // 2) % len(SAMPLERS)],
                 guidance=1.0 if i % 2 == 0 else 3.0, seed=i, output="latent"))
         core._admit()
         (self.group,) = core.groups.values()
@@ -174,31 +155,15 @@ class StepBench:
 
     def timed_step(self, breakdown: bool = True) -> Sample:
         self.prepare()
-        if not breakdown:
+        build = math.nan
+        if breakdown:
             start = time.perf_counter()
-            self.core._run_batch(self.group)
-            return Sample(time.perf_counter() - start)
-        with self._probed() as marks:
-            start = time.perf_counter()
-            self.core._run_batch(self.group)
-            total = time.perf_counter() - start
-        (b0, b1), (d0, d1), (u0, u1) = marks["build"], marks["denoise"], marks["update"]
-        return Sample(total=total, build=b1 - b0, gather=d0 - b1, denoise=d1 - d0, update=u1 - u0)
-
-    @contextlib.contextmanager
-    def _probed(self):
-        """Time the parts of `_run_batch` by wrapping what it calls (a few microseconds)."""
-        probe, core, model = _Probe(), self.core, self.core.model
-        update = core_module.update_slots
-        core._build_batch = probe.wrap("build", core._build_batch)
-        model.denoise = probe.wrap("denoise", model.denoise)
-        core_module.update_slots = probe.wrap("update", update)
-        try:
-            yield probe.marks
-        finally:
-            core_module.update_slots = update
-            del model.denoise
-            del core._build_batch
+            self.core._build_batch(self.group)  # no state changes: deterministic samplers draw no noise
+            build = time.perf_counter() - start
+        start = time.perf_counter()
+        self.core._run_batch(self.group)
+        total = time.perf_counter() - start
+        return Sample(total=total, denoise=self.timed.last_s, build=build)
 
 
 def active_for(fraction: float, slots: int) -> int:
@@ -236,16 +201,15 @@ def measure(model, slots: int, fractions, layouts=LAYOUTS, repeats: int = 30, wa
         for layout in layouts:
             bench, got = benches[f, layout], samples[f, layout]
             med = {part: statistics.median(getattr(s, part) for s in got)
-                   for part in ("total", "build", "gather", "prep", "denoise", "update", "other")}
+                   for part in ("total", "build", "denoise", "host")}
             rate = bench.useful_rows / med["total"]
             if layout == "padded":
                 padded_rate = rate
             results.append(dict(
                 layout=layout, fraction=f, active_slots=bench.active, slots=slots, rows=bench.rows,
                 useful_rows=bench.useful_rows, padded_rows=bench.padded_rows,
-                step_ms=1e3 * med["total"], build_ms=1e3 * med["build"], gather_ms=1e3 * med["gather"],
-                prep_ms=1e3 * med["prep"], denoise_ms=1e3 * med["denoise"], update_ms=1e3 * med["update"],
-                other_ms=1e3 * med["other"],
+                step_ms=1e3 * med["total"], build_ms=1e3 * med["build"], denoise_ms=1e3 * med["denoise"],
+                host_ms=1e3 * med["host"],
                 step_ms_p25=1e3 * float(np.percentile([s.total for s in got], 25)),
                 step_ms_p75=1e3 * float(np.percentile([s.total for s in got], 75)),
                 useful_evals_per_s=rate,
@@ -268,8 +232,8 @@ def denoiser_fit(results: list[dict]) -> tuple[float, float]:
 COLUMNS = [  # header, key, format
     ("layout", "layout", "{:<9}"), ("fraction", "fraction", "{:>8.3f}"), ("active", "active_slots", "{:>6d}"),
     ("rows", "rows", "{:>5d}"), ("useful", "useful_rows", "{:>6d}"), ("step ms", "step_ms", "{:>8.2f}"),
-    ("prep ms", "prep_ms", "{:>8.3f}"), ("denoiser ms", "denoise_ms", "{:>11.2f}"),
-    ("update ms", "update_ms", "{:>9.3f}"), ("other ms", "other_ms", "{:>8.3f}"),
+    ("build ms", "build_ms", "{:>8.3f}"), ("denoiser ms", "denoise_ms", "{:>11.2f}"),
+    ("host ms", "host_ms", "{:>8.3f}"),
     ("useful evals/s", "useful_evals_per_s", "{:>14.0f}"), ("vs padded", "vs_padded", "{:>9.2f}"),
 ]
 
@@ -293,9 +257,9 @@ def summary(results: list[dict]) -> list[str]:
     lines = [f"denoiser ≈ {fixed:.2f} ms + {per_row:.3f} ms × rows computed (least squares over "
              f"{len(results)} medians)"]
     builds = [r["build_ms"] for r in results]
-    gathers = [r["gather_ms"] for r in results]
-    lines.append(f"prep = _build_batch {min(builds):.3f}–{max(builds):.3f} ms + input gather "
-                 f"{min(gathers):.3f}–{max(gathers):.3f} ms")
+    hosts = [r["host_ms"] / r["step_ms"] for r in results]
+    lines.append(f"_build_batch {min(builds):.3f}–{max(builds):.3f} ms; host work (step − denoiser) "
+                 f"{100 * min(hosts):.1f}–{100 * max(hosts):.1f}% of the step")
     for layout in LAYOUTS:
         if layout == "padded":
             continue
@@ -304,7 +268,8 @@ def summary(results: list[dict]) -> list[str]:
             continue
         worse = [f"{r['fraction']:g} ({r['vs_padded']:.2f}×)" for r in mine if r["vs_padded"] is not None
                  and r["vs_padded"] < 1.0]
-        lines.append(f"{layout}: {'slower than padded at fraction ' + ', '.join(worse) if worse else 'never slower than padded'}")
+        verdict = "slower than padded at fraction " + ", ".join(worse) if worse else "never slower than padded"
+        lines.append(f"{layout}: {verdict}")
     return lines
 
 
@@ -324,11 +289,11 @@ def plot(results: list[dict], path: pathlib.Path, title: str) -> None:
         right.plot(f, [r["step_ms"] for r in mine], "o-", color=colors[layout], label=f"{layout}: step")
         right.fill_between(f, [r["step_ms_p25"] for r in mine], [r["step_ms_p75"] for r in mine],
                            color=colors[layout], alpha=0.15, linewidth=0)
-        right.plot(f, [r["prep_ms"] for r in mine], "x:", color=colors[layout], label=f"{layout}: prep")
+        right.plot(f, [r["host_ms"] for r in mine], "x:", color=colors[layout], label=f"{layout}: host")
     left.set(xlabel="active fraction of slots", ylabel="useful evaluations / s", title="throughput (median)")
     left.set_ylim(bottom=0)
     right.set(xlabel="active fraction of slots", ylabel="ms (log scale)", yscale="log",
-              title="step time (median, IQR band) and prep")
+              title="step time (median, IQR band) and host work")
     for ax in (left, right):
         ax.set_xticks(sorted({r["fraction"] for r in results}))
         ax.grid(alpha=0.3)
@@ -341,8 +306,8 @@ def plot(results: list[dict], path: pathlib.Path, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="shapes", help="shapes (default; the tiny test model while its weights "
-                    "are missing), tiny, or a diffusers model folder")
+    ap.add_argument("--model", default="shapes", help="shapes (default; tiny-sd while its text-to-image weights "
+                    "have not landed), tiny-sd, or a diffusers model folder")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 30; 3 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed repeats first (default 3; 1 with --quick)")
@@ -409,14 +374,14 @@ def pytest_generate_tests(metafunc):
 
 def test_step(benchmark, request, layout, fraction):
     smoke = _benchmarks_disabled(request.config)
-    wanted = "tiny" if smoke else os.environ.get("DIFFSLOT_BENCH_MODEL", "shapes")
+    wanted = "tiny-sd" if smoke else os.environ.get("DIFFSLOT_BENCH_MODEL", "shapes")
     model, label = load_bench_model(wanted)
     if label != wanted:
         warnings.warn(f"benchmarking the {label} model: {wanted} is not available", stacklevel=1)
     slots = SMOKE_SLOTS if smoke else 64
     bench = StepBench(model, layout, slots, active_for(fraction, slots))
     expected_rows = {"padded": 2 * slots, "compact": bench.useful_rows,
-                     "bucketed": core_module._bucket(bench.useful_rows, 2 * slots)}[layout]
+                     "bucketed": _bucket(bench.useful_rows, 2 * slots)}[layout]
     assert bench.rows == expected_rows and bench.padded_rows == bench.rows - bench.useful_rows
     rounds = int(os.environ.get("DIFFSLOT_BENCH_ROUNDS", "30"))
     before = bench.group.step_index.copy()
@@ -424,11 +389,10 @@ def test_step(benchmark, request, layout, fraction):
     parts = [bench.timed_step() for _ in range(1 if smoke else 5)]
     assert (bench.group.step_index != before).any(), "no slot advanced"
     assert torch.isfinite(bench.group.latents).all()
-    med = {p: 1e3 * statistics.median(getattr(s, p) for s in parts) for p in ("prep", "denoise", "update", "other")}
+    med = {p: 1e3 * statistics.median(getattr(s, p) for s in parts) for p in ("build", "denoise", "host")}
     benchmark.extra_info.update(
         model=label, slots=slots, active_slots=bench.active, rows=bench.rows, useful_rows=bench.useful_rows,
-        prep_ms=round(med["prep"], 4), denoise_ms=round(med["denoise"], 4),
-        update_ms=round(med["update"], 4), other_ms=round(med["other"], 4))
+        build_ms=round(med["build"], 4), denoise_ms=round(med["denoise"], 4), host_ms=round(med["host"], 4))
     if benchmark.enabled and benchmark.stats is not None:
         benchmark.extra_info["useful_evals_per_s"] = round(bench.useful_rows / benchmark.stats.stats.median, 1)
 

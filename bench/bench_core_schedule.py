@@ -33,8 +33,6 @@ import time
 import warnings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `engine` and `tests.reference` import from the repo root
-    sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
@@ -48,9 +46,9 @@ GUIDANCE = (3.0, 1.0, 7.5)
 
 def load(name: str):
     if name == "tiny":
-        from tests.reference import tiny_model
+        from engine.testing.reference import tiny_model
         return tiny_model("epsilon")
-    from engine.model import load_model
+    from engine.models.loading import load_model
     return load_model(name, device="cpu", load_vae=False)
 
 
@@ -58,7 +56,7 @@ def schedule(model, requests: int, every: int, steps=STEPS) -> dict[int, list[tu
     conditions = model.conditions[:-1] or model.conditions
     arrivals: dict[int, list] = {}
     for i in range(requests):
-        p = GenerateParams(condition=conditions[i % len(conditions)], steps=steps[i % len(steps)],
+        p = GenerateParams(prompt=conditions[i % len(conditions)], steps=steps[i % len(steps)],
                            sampler=SAMPLERS[i % len(SAMPLERS)], guidance=GUIDANCE[i % len(GUIDANCE)],
                            seed=i, output="latent")
         arrivals.setdefault(i * every, []).append((f"r{i:02d}", p))

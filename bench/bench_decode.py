@@ -48,7 +48,7 @@ def _measure(folder, workers: int, images: int, handoffs: int, kind: str, device
     import numpy as np
     import torch
 
-    from engine.decode_workers import MultiProcessDecodeStage
+    from engine.decode.workers import MultiProcessDecodeStage
     from engine.protocol import GenerateParams, Timings
 
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
@@ -61,7 +61,7 @@ def _measure(folder, workers: int, images: int, handoffs: int, kind: str, device
         shape = (stage.latent_channels, side, side)  # the native image size
         gen = torch.Generator().manual_seed(0)
         latents = [torch.randn(shape, generator=gen) for _ in range(8)]
-        params = GenerateParams("red circle", output=kind)
+        params = GenerateParams("a red circle", output=kind)
 
         def run(n: int, prefix: str) -> float:
             t0 = time.perf_counter()
@@ -103,8 +103,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.images, args.handoffs = min(args.images, 16), min(args.handoffs, 30)
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     import logging
 
     logging.basicConfig(level=logging.WARNING)

@@ -22,10 +22,9 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from engine import transport  # noqa: E402
-from engine.demo import launched_engine  # noqa: E402
+from engine.serve import transport  # noqa: E402
+from engine.serve.launcher import launched_engine  # noqa: E402
 from frontend import GenerateParams  # noqa: E402
 
 
@@ -36,7 +35,7 @@ def free_port() -> int:
 
 
 def measure(client, n: int) -> tuple[np.ndarray, np.ndarray]:
-    params = GenerateParams(condition="red circle", steps=50, output="latent")
+    params = GenerateParams(prompt="a red circle", steps=50, output="latent")
     accepted, stats = [], []
     for i in range(n):
         handle = client.submit(params, progress=False)

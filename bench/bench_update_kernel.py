@@ -19,11 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from engine.kernels import update_slots_reference, update_slots_triton  # noqa: E402
-from engine.solvers import A, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q  # noqa: E402
+from engine.core.kernels import update_slots_reference, update_slots_triton  # noqa: E402
+from engine.core.solvers import A, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q  # noqa: E402
 
 ENTRIES = (8, 64, 256)
 SHAPES = ((4, 8, 8), (4, 64, 64))

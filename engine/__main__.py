@@ -1,12 +1,12 @@
-"""`python -m engine {serve,demo,queue-instrument}` (also the `diffslot` console script)."""
+"""`python -m engine {serve,health,demo,queue-instrument}` (also the `diffslot` console script)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-LAYOUTS = ("compact", "padded", "bucketed")
-ADMISSIONS = ("continuous", "static")
+from engine.core.config import ADMISSIONS, LAYOUTS
+from engine.serve.options import add_proc_arguments, proc_config_from_args
 
 
 def default_device() -> str:
@@ -21,7 +21,9 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slots", type=int, default=16, help="trajectories denoised together")
     ap.add_argument("--layout", choices=LAYOUTS, default="compact")
     ap.add_argument("--admission", choices=ADMISSIONS, default="continuous")
-    ap.add_argument("--decode-workers", type=int, default=2, help="decode worker processes")
+    ap.add_argument("--decode-workers", type=int, default=None,
+                    help="decode worker processes (default: 0 on a CPU under 16 cores, so decoding takes none "
+                         "of the denoiser's cores; 1 on CUDA)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before Rejected")
 
@@ -35,8 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ipc://PATH or tcp://HOST:PORT (default: ipc socket in the user's runtime dir)")
     serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1")
     serve.add_argument("--allow-remote-bind", action="store_true",
-                       help="allow a non-loopback tcp address (the protocol has no authentication)")
+                       help="allow a non-loopback tcp address (use --auth-token-file with it)")
+    add_proc_arguments(serve)
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--inject-faults", default=None, metavar="SPEC", help=argparse.SUPPRESS)  # tests only:
+    # engine.testing.faults — raise=PROMPT, nan=PROMPT, oom=ROWS
+    serve.add_argument("--core", default=None, metavar="MODULE:FACTORY",
+                       help="serve another core behind the same process and IO path (benchmark baselines): "
+                            "FACTORY(model, CoreConfig) returns an object with the CoreInterface calls")
+    health = sub.add_parser("health", help="liveness/readiness probe: handshake and a stats round trip")
+    health.add_argument("--address", default=None, help="default: $DIFFSLOT_ADDRESS or the one local engine")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--ready", action="store_true", help="also fail (exit 1) while the engine drains")
+    health.add_argument("--auth-token-file", default=None, metavar="PATH", help="default: $DIFFSLOT_TOKEN")
     demo = sub.add_parser("demo", help="start an engine, run a mixed batch, write a PNG grid")
     add_engine_arguments(demo)
     demo.add_argument("--out", default="out/demo_grid.png", help="where to write the grid")
@@ -45,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from engine import transport
+    from engine.serve import transport
 
     address = args.address or transport.default_address()
     try:  # fail before the slow imports and model load
         transport.check_bind_address(address, args.allow_remote_bind)
+        proc_config = proc_config_from_args(args, address=address, allow_remote_bind=args.allow_remote_bind,
+                                            metrics_port=args.metrics_port, model_name=str(args.model))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -57,14 +72,14 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     from engine.core import CoreConfig, EngineCore
-    from engine.proc import ProcConfig, configure_logging, run_engine
+    from engine.serve.proc import configure_logging, run_engine
 
     configure_logging(getattr(logging, args.log_level.upper(), logging.INFO))
     log = logging.getLogger("diffslot.engine")
     for stale in transport.sweep_stale_sockets():
         log.info("removed stale socket %s", stale)
-    from engine.decode_stage import make_decode_stage
-    from engine.model import load_model
+    from engine.decode.factory import make_decode_stage
+    from engine.models.loading import load_model
 
     device = args.device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
@@ -74,23 +89,36 @@ def serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, device)
     config = CoreConfig(slots=args.slots, layout=args.layout, admission=args.admission,
                         max_queue=args.max_queue, device=device)
-    core = EngineCore(model, config)
-    proc_config = ProcConfig(address=address, allow_remote_bind=args.allow_remote_bind,
-                             metrics_port=args.metrics_port, model_name=str(args.model))
-    return run_engine(core, model, proc_config,  # the arena holds every decode that admission reserves
+    if args.inject_faults:
+        from engine.testing.faults import FaultyModel, parse_spec
+
+        model = FaultyModel(model, **parse_spec(args.inject_faults))
+    core = _core_factory(args.core)(model, config) if args.core else EngineCore(model, config)
+    return run_engine(core, proc_config,  # the arena holds every decode that admission reserves
                       lambda on_ready: make_decode_stage(model, args.decode_workers, on_ready,
                                                          buffers=core.config.decode_buffers))
+
+
+def _core_factory(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "make_core")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "queue-instrument":  # it parses its own flags
-        from engine.queue_instrument import main as qi
+        from engine.instrument.cli import main as qi
 
         return qi(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "health":
+        from engine.serve.health import main as health
+
+        return health(args.address, args.timeout, args.ready, args.auth_token_file)
     if args.command == "demo":
         from engine.demo import main as demo
 

@@ -1,7 +1,8 @@
 """`python -m engine demo`: the main job on the embedded model, end to end.
 
 Starts an engine process (and through it the decode stage), submits a mixed set —
-every condition, several step counts, all four samplers, guidance 1 to 5, and one
+every prompt the embedded model knows, several step counts, five samplers, guidance 1
+to 5, a negative prompt, and one
 long request canceled midway — writes the images as one PNG grid, prints one table
 row per request with its timings, stops the engine with SIGTERM, and checks that no
 process or /dev/shm segment is left behind.
@@ -22,87 +23,61 @@ import time
 
 import numpy as np
 
-from engine import transport
+from engine.serve import transport
+from engine.serve.launcher import launched_engine
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")
+# the prompts of the embedded `shapes` model (a text model: Welcome lists no prompts)
+SHAPES_PROMPTS = [f"a {color} {shape}" for color in ("red", "green", "blue")
+                  for shape in ("circle", "square", "triangle", "cross")]
 STEPS = (8, 15, 25, 40)
 GUIDANCE = (1.0, 3.0, 5.0)
 LONG_STEPS = 200
 
 
-@contextlib.contextmanager
-def launched_engine(command: list[str], address: str, log_path: pathlib.Path, ready_timeout: float = 180.0):
-    """Run an engine process, yield (process, connected Client); SIGTERM and reap it after.
-    A SIGTERM to this process unwinds through here too, so the engine is never orphaned."""
-    from frontend import Client
-
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True)
-    client = None
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while client is None:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine exited with {process.returncode} before it was ready:\n"
-                                   + log_path.read_text(errors="replace")[-3000:])
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not ready within {ready_timeout:g}s")
-            candidate = Client(address, connect_timeout=1.0)
-            try:
-                candidate.connect()
-                client = candidate
-            except ConnectionError:
-                pass
-        yield process, client
-    finally:
-        if client is not None:
-            client.close()
-        stop_process(process)
-
-
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
-
-
-def plan(conditions: list[str]) -> list[dict]:
+def plan(prompts: list[str]) -> list[dict]:
     requests = []
-    for i, condition in enumerate(conditions):
-        requests.append(dict(condition=condition, steps=STEPS[i % len(STEPS)], sampler=SAMPLERS[i % len(SAMPLERS)],
+    for i, prompt in enumerate(prompts):
+        requests.append(dict(prompt=prompt, steps=STEPS[i % len(STEPS)], sampler=SAMPLERS[i % len(SAMPLERS)],
                              guidance=GUIDANCE[i % len(GUIDANCE)], seed=i, output="png"))
-    requests.append(dict(condition=conditions[0], steps=LONG_STEPS, sampler="dpmpp_2m", guidance=3.0, seed=99,
+    # the first prompt once more with a negative prompt naming another colour
+    requests.append(dict(prompt=prompts[0], negative_prompt=prompts[-1], steps=20, sampler="dpmpp_2m",
+                         guidance=3.0, seed=0, output="png"))
+    requests.append(dict(prompt=prompts[0], steps=LONG_STEPS, sampler="dpmpp_2m", guidance=3.0, seed=99,
                          output="png", cancel_at=LONG_STEPS // 2))
     return requests
 
 
-def grid(images: list[np.ndarray | None], columns: int = 5, scale: int = 4) -> np.ndarray:
+def label(spec: dict) -> str:
+    text = spec["prompt"] or '""'
+    if spec.get("negative_prompt"):
+        text += f" (not {spec['negative_prompt']})"
+    return f"{text}\n{spec['sampler']} {spec['steps']} g{spec['guidance']:g}"
+
+
+def grid(images: list[np.ndarray | None], labels: list[str], columns: int = 5, scale: int = 4) -> np.ndarray:
+    """The images as one grid, each tile labelled with its request (two lines of text)."""
+    from PIL import Image, ImageDraw
+
     size = next((im.shape[0] for im in images if im is not None), 32) * scale
+    text_h = 26
+    cell_w, cell_h = max(size, 150) + 6, size + text_h + 6
     rows = -(-len(images) // columns)
-    out = np.full((rows * (size + 4) + 4, columns * (size + 4) + 4, 3), 255, np.uint8)
-    for i, image in enumerate(images):
+    canvas = Image.new("RGB", (columns * cell_w + 6, rows * cell_h + 6), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, text) in enumerate(zip(images, labels)):
         r, c = divmod(i, columns)
-        y, x = 4 + r * (size + 4), 4 + c * (size + 4)
+        x, y = 6 + c * cell_w, 6 + r * cell_h
         if image is None:  # canceled: a grey tile with a cross
             tile = np.full((size, size, 3), 90, np.uint8)
             idx = np.arange(size)
             tile[idx, idx] = tile[idx, size - 1 - idx] = (220, 60, 60)
+            text = "canceled: " + text
         else:
             tile = np.repeat(np.repeat(image, scale, axis=0), scale, axis=1)
-        out[y:y + size, x:x + size] = tile
-    return out
+        canvas.paste(Image.fromarray(tile), (x, y))
+        draw.multiline_text((x, y + size + 2), text, fill=(0, 0, 0), spacing=1)
+    return np.asarray(canvas)
 
 
 def run(command: list[str], address: str, out_path: pathlib.Path, log_path: pathlib.Path) -> int:
@@ -112,10 +87,10 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
 
     with launched_engine(command, address, log_path) as (process, client):
         welcome = client.welcome
-        conditions = [c for c in welcome.conditions if c] or ["red circle"]
-        print(f"engine pid {welcome.engine_pid} on {address}: model {welcome.model}, "
-              f"{len(conditions)} conditions, native size {welcome.native_size}")
-        requests = plan(conditions)
+        prompts = [p for p in welcome.prompts if p] or SHAPES_PROMPTS
+        print(f"engine pid {welcome.engine_pid} on {address}: model {welcome.model} ({welcome.pipeline}), "
+              f"{len(prompts)} prompts, native size {welcome.native_size}")
+        requests = plan(prompts)
         started = time.monotonic()
         handles = []
         for spec in requests:
@@ -139,20 +114,21 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
         else:
             images.append(None)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid(images)).save(out_path)
+    Image.fromarray(grid(images, [label(spec) for spec in requests])).save(out_path)
 
     looks = _classify(images) if welcome.model == "shapes" else [""] * len(images)
-    header = (f"{'#':>2} {'condition':<15} {'sampler':<15} {'steps':>5} {'g':>3} {'result':<9} {'queue_s':>8} "
-              f"{'denoise_s':>9} {'dec_wait':>8} {'decode_s':>8} {'total_s':>8} {'evals':>5} {'padded':>6}  looks like")
+    header = (f"{'#':>2} {'prompt':<18} {'sampler':<15} {'steps':>5} {'g':>3} {'result':<9} {'queue_s':>8} "
+              f"{'encode_s':>8} {'denoise_s':>9} {'dec_wait':>8} {'decode_s':>8} {'total_s':>8} {'evals':>5} "
+              f"{'padded':>6}  looks like")
     print(header)
     print("-" * len(header))
     ok = True
     for i, (spec, result, look) in enumerate(zip(requests, results, looks)):
         outcome = type(result).__name__
         t = getattr(result, "timings", None)
-        cells = (f"{t.queue_s:8.3f} {t.denoise_s:9.3f} {t.decode_wait_s:8.3f} {t.decode_s:8.3f} {t.total_s:8.3f} "
+        cells = (f"{t.queue_s:8.3f} {t.encode_s:8.3f} {t.denoise_s:9.3f} {t.decode_wait_s:8.3f} {t.decode_s:8.3f} {t.total_s:8.3f} "
                  f"{t.evals:5d} {t.padded_evals:6d}") if t else f"{getattr(result, 'reason', getattr(result, 'error', '')):<60}"
-        print(f"{i:>2} {spec['condition']:<15} {spec['sampler']:<15} {spec['steps']:>5} {spec['guidance']:>3g} "
+        print(f"{i:>2} {spec['prompt'][:18]:<18} {spec['sampler']:<15} {spec['steps']:>5} {spec['guidance']:>3g} "
               f"{outcome:<9} {cells}  {look}")
         expected = Canceled if "cancel_at" in spec else Completed
         ok &= isinstance(result, expected)
@@ -189,7 +165,8 @@ def _classify(images: list[np.ndarray | None]) -> list[str]:
 def engine_command(args: argparse.Namespace, address: str) -> list[str]:
     command = [sys.executable, "-m", "engine", "serve", "--address", address, "--model", args.model,
                "--slots", str(args.slots), "--layout", args.layout, "--admission", args.admission,
-               "--decode-workers", str(args.decode_workers), "--max-queue", str(args.max_queue)]
+               "--max-queue", str(args.max_queue),
+               *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
     if args.device:
         command += ["--device", args.device]
     return command

@@ -6,7 +6,7 @@ one frame, the msgpack body. The engine's ROUTER answers with the body and, for
 float32 C×H×W latent), sent zero-copy and never inside the msgpack body.
 
 Bodies are msgpack arrays whose first element is the message tag (`array_like`
-structs in a tagged union), e.g. `["submit", "r1", {"condition": "red circle"}]`.
+structs in a tagged union), e.g. `["submit", "r1", {"prompt": "a red circle"}]`.
 `GenerateParams` stays a msgpack map so users can write it by hand and unknown
 fields are caught by name. Decoding validates types; `describe_decode_error` turns
 msgspec's error into the field a `Rejected` names.
@@ -27,18 +27,27 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 OUTPUT_KINDS = ("png", "uint8", "latent")
+# `default`: the model folder's own scheduler; `flow_euler` for flow-matching models
+SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m", "flow_euler")
 MAX_REQUEST_ID_LEN = 128
+MAX_PROMPT_CHARS = 4096  # longer prompts are truncated by every text encoder anyway
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 
 
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation request, as the user writes it. Validated by the engine against
-    the loaded model (conditions, sizes, samplers, step limit)."""
+    the loaded model (prompts, sizes, samplers, step limit).
 
-    condition: str
+    `prompt` is the text for text-conditioned models and the class name for
+    class-conditional ones; `negative_prompt` conditions the unconditional branch of
+    classifier-free guidance ("" as the pipelines' default). Sampler `default` runs the
+    model folder's own scheduler, as its pipeline would."""
+
+    prompt: str
+    negative_prompt: str = ""
     steps: int = 20
-    sampler: str = "euler"
+    sampler: str = "default"
     guidance: float = 3.0
     seed: int = 0
     output: str = "png"
@@ -56,6 +65,7 @@ class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     total_s: float = 0.0  # arrival → usable output
     evals: int = 0  # useful denoiser rows computed for this request
     padded_evals: int = 0  # rows computed in its batches that served no one
+    encode_s: float = 0.0  # its prompts' text-encoder pass (0 when the embedding cache had them)
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,
@@ -72,12 +82,14 @@ class Hello(Message, tag="hello"):
     version: int
     pid: int = 0  # for the engine's logs only
     name: str = ""
+    token: str = ""  # shared secret, when the engine was started with --auth-token-file
 
 
 class Submit(Message, tag="submit"):
     request_id: RequestId  # chosen by the client, unique among its unfinished requests
     params: GenerateParams
     progress: bool = True  # send a Progress message after every denoising step
+    partial_images: int = 0  # 0–3 previews (PartialImage) of the clean-image estimate at evenly spaced steps
 
 
 class Cancel(Message, tag="cancel"):
@@ -115,8 +127,10 @@ class Welcome(Message, tag="welcome"):
     peer_timeout_s: float  # silence after which either side declares the other dead
     output_budget_bytes: int  # this client's cap on undelivered output bytes
     model: str = ""
-    conditions: list[str] = []
+    prompts: list[str] = []  # the prompts a class-conditional model knows; [] for free text
     native_size: int = 0
+    pipeline: str = ""  # the served folder's pipeline class
+    max_message_bytes: int = 64 * 1024  # larger client messages are Rejected naming this limit
 
 
 class Accepted(Message, tag="accepted"):
@@ -128,6 +142,25 @@ class Progress(Message, tag="progress"):
     """After `step` of `total` denoising steps. Lossy: a slow reader may see steps skipped."""
 
     request_id: str
+    step: int
+    total: int
+
+
+class ProgressBatch(Message, tag="progress_batch"):
+    """Progress of several of one client's requests after one denoising step, in one
+    message (the engine coalesces them per client per step): `items` are
+    (request_id, step, total). The client delivers each as a `Progress`."""
+
+    items: list[tuple[str, int, int]]
+
+
+class PartialImage(Message, tag="partial_image", dict=True, gc=True):
+    """A preview: the clean-image estimate x0 after `step` of `total` steps, decoded. The
+    PNG bytes follow in one extra frame (the client attaches them as `image`). All of a
+    request's partial images arrive before its Completed."""
+
+    request_id: str
+    index: int  # 0-based among the request's partial images
     step: int
     total: int
 
@@ -182,8 +215,8 @@ class StatsReply(Message, tag="stats_reply"):
 
 
 ClientMessage = Union[Hello, Submit, Cancel, Delivered, Stats, Goodbye, Heartbeat]
-EngineMessage = Union[Welcome, Accepted, Progress, Completed, Canceled, Rejected, Failed,
-                      EngineDead, StatsReply, Heartbeat]
+EngineMessage = Union[Welcome, Accepted, Progress, ProgressBatch, PartialImage, Completed, Canceled, Rejected,
+                      Failed, EngineDead, StatsReply, Heartbeat]
 AnyMessage = Union[ClientMessage, EngineMessage]
 TERMINAL = (Completed, Canceled, Rejected, Failed)
 

@@ -1,10 +1,10 @@
 """diffslot client library: `Client`, `AsyncClient` and the messages they return."""
 from engine.protocol import (
-    Accepted, Canceled, Completed, Failed, GenerateParams, Progress, Rejected, Timings,
+    Accepted, Canceled, Completed, Failed, GenerateParams, PartialImage, Progress, Rejected, Timings,
 )
-from frontend.client import AsyncClient, Client, EngineDeadError, RequestHandle
+from frontend.client import AsyncClient, AuthenticationError, Client, EngineDeadError, RequestHandle
 
 __all__ = [
-    "Client", "AsyncClient", "RequestHandle", "GenerateParams", "Accepted", "Progress", "Completed",
-    "Canceled", "Rejected", "Failed", "Timings", "EngineDeadError",
+    "Client", "AsyncClient", "RequestHandle", "GenerateParams", "Accepted", "Progress", "PartialImage",
+    "Completed", "Canceled", "Rejected", "Failed", "Timings", "EngineDeadError", "AuthenticationError",
 ]

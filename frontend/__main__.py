@@ -1,6 +1,6 @@
-"""`python -m frontend generate ...` and `python -m frontend stats`.
+"""`python -m frontend generate ...`, `python -m frontend stats` and `python -m frontend http ...`.
 
-    python -m frontend generate --condition "red circle" --steps 20 --sampler dpmpp_2m \\
+    python -m frontend generate --prompt "a red circle" --steps 20 --sampler dpmpp_2m \\
         --guidance 3 --seed 7 -o out.png [--address ADDR]
 
 Shows a progress bar; Ctrl-C cancels the request on the engine.
@@ -13,16 +13,17 @@ import pathlib
 import signal
 import sys
 
-from engine.protocol import OUTPUT_KINDS
+from engine.protocol import OUTPUT_KINDS, SAMPLERS
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m frontend", description="diffslot client")
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate one image")
-    gen.add_argument("--condition", required=True, help='e.g. "red circle"')
+    gen.add_argument("--prompt", required=True, help='e.g. "a red circle"')
+    gen.add_argument("--negative-prompt", default="", help="conditions the unconditional branch of guidance")
     gen.add_argument("--steps", type=int, default=20)
-    gen.add_argument("--sampler", default="euler")
+    gen.add_argument("--sampler", default="default", help=f"one of {', '.join(SAMPLERS)}")
     gen.add_argument("--guidance", type=float, default=3.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--height", type=int, default=None)
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the engine to answer")
     stats = sub.add_parser("stats", help="print the engine's counters as JSON")
     stats.add_argument("--address", default=None)
+    from frontend.http.server import add_arguments as http_arguments  # argparse only: no server imports yet
+
+    http_arguments(sub.add_parser("http", help="serve the OpenAI-compatible images API (uvicorn)"))
     return ap
 
 
@@ -43,7 +47,7 @@ def generate(args: argparse.Namespace) -> int:
 
     from frontend import Canceled, Client, Completed, EngineDeadError, GenerateParams, Rejected
 
-    params = GenerateParams(condition=args.condition, steps=args.steps, sampler=args.sampler,
+    params = GenerateParams(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, sampler=args.sampler,
                             guidance=args.guidance, seed=args.seed, output=args.output_kind,
                             height=args.height, width=args.width)
     try:
@@ -58,7 +62,7 @@ def generate(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (even if inherited as ignored), kill: cancel
             signal.signal(signum, signal.default_int_handler)
         try:
-            with tqdm(total=args.steps, unit="step", desc=args.condition, leave=False, disable=None) as bar:
+            with tqdm(total=args.steps, unit="step", desc=args.prompt[:30], leave=False, disable=None) as bar:
                 for progress in handle.progress():
                     bar.update(progress.step - bar.n)
             result = handle.result()
@@ -111,6 +115,10 @@ def stats(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "http":
+        from frontend.http.server import serve
+
+        return serve(args)
     return generate(args) if args.command == "generate" else stats(args)
 
 

@@ -1,7 +1,7 @@
 """Client library: talk to a diffslot engine over ZMQ.
 
     with Client(address) as c:
-        h = c.submit(GenerateParams(condition="red circle", steps=20))
+        h = c.submit(GenerateParams(prompt="a red circle", steps=20))
         for p in h.progress(): ...
         r = h.result(timeout=60)        # Completed | Canceled | Rejected | Failed
 
@@ -13,6 +13,12 @@ socket monitor) or the engine is silent for `peer_timeout_s`, every unfinished
 request fails at once with EngineDeadError — no request timeouts involved. The
 thread sends heartbeats of its own, so the engine cancels the requests of a client
 that died.
+
+An engine started with `--auth-token-file` wants its token in Hello: pass
+`Client(address, token=...)` or set $DIFFSLOT_TOKEN; a wrong or missing token fails
+`connect()` with AuthenticationError. A Submit larger than the engine's
+`Welcome.max_message_bytes` is not sent: its handle ends at once with a `Rejected`
+naming the limit (the engine answers a raw oversized frame the same way).
 """
 from __future__ import annotations
 
@@ -31,11 +37,11 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine import transport
+from engine.serve import transport
 from engine.protocol import (
     PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
-    GenerateParams, Goodbye, Heartbeat, Hello, Progress, Rejected, Stats, StatsReply, Submit, Welcome,
-    encoder, engine_decoder,
+    GenerateParams, Goodbye, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected, Stats, StatsReply,
+    Submit, Welcome, encoder, engine_decoder,
 )
 
 log = logging.getLogger("diffslot.client")
@@ -48,6 +54,10 @@ class EngineDeadError(ConnectionError):
     """The engine died, shut down, or wrote this client off; unfinished requests are lost."""
 
 
+class AuthenticationError(ConnectionError):
+    """The engine refused this client's token (or wants one and got none)."""
+
+
 class RequestHandle:
     """One submitted request. Thread-safe; results are filled in by the client's IO thread."""
 
@@ -57,6 +67,8 @@ class RequestHandle:
         self.accepted_at: float | None = None  # when Accepted arrived (client clock)
         self._client = client
         self._progress: queue.SimpleQueue = queue.SimpleQueue()
+        self._partials: queue.SimpleQueue = queue.SimpleQueue()
+        self._partial_callbacks: list[Callable[[PartialImage], None]] = []
         self._accepted: Accepted | None = None
         self._accepted_event = threading.Event()
         self._done = threading.Event()
@@ -69,16 +81,28 @@ class RequestHandle:
         """Progress(step, total) after each denoising step, until the request ends.
         Raises EngineDeadError if the engine dies meanwhile, TimeoutError if nothing
         arrives within `timeout` seconds."""
+        return self._stream(self._progress, "progress", timeout)
+
+    def partial_images(self, timeout: float | None = None) -> Iterator[PartialImage]:
+        """The partial images asked for at submit (`PartialImage(index, step, total)` with
+        `.image`, PNG bytes of the decoded clean-image estimate), until the request ends."""
+        return self._stream(self._partials, "partial image", timeout)
+
+    def _stream(self, items: queue.SimpleQueue, what: str, timeout: float | None):
         while True:
             try:
-                item = self._progress.get(timeout=timeout)
+                item = items.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"no progress on request {self.request_id} within {timeout}s") from None
+                raise TimeoutError(f"no {what} on request {self.request_id} within {timeout}s") from None
             if item is _END:
                 if self._error is not None:
                     raise self._error
                 return
             yield item
+
+    def on_partial_image(self, fn: Callable[[PartialImage], None]) -> None:
+        """Call fn(partial image) as each arrives (on the client's IO thread)."""
+        self._partial_callbacks.append(fn)
 
     def result(self, timeout: float | None = None) -> Result:
         """Completed | Canceled | Rejected | Failed. Raises EngineDeadError if the
@@ -118,6 +142,13 @@ class RequestHandle:
     def _deliver(self, msg) -> None:
         if isinstance(msg, Progress):
             self._progress.put(msg)
+        elif isinstance(msg, PartialImage):
+            self._partials.put(msg)
+            for fn in self._partial_callbacks:
+                try:
+                    fn(msg)
+                except Exception:
+                    log.exception("partial image callback of request %s failed", self.request_id)
         elif isinstance(msg, Accepted):
             self._accepted, self.accepted_at = msg, time.monotonic()
             self._accepted_event.set()
@@ -133,6 +164,7 @@ class RequestHandle:
             callbacks, self._callbacks = self._callbacks, []
         self._accepted_event.set()
         self._progress.put(_END)
+        self._partials.put(_END)
         for fn in callbacks:
             try:
                 fn(self)
@@ -143,10 +175,12 @@ class RequestHandle:
 class Client:
     """A connection to one engine. Use as a context manager, or call connect()/close()."""
 
-    def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = ""):
+    def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = "",
+                 token: str | None = None):
         self.address = address or transport.discover_address()
         self.connect_timeout = connect_timeout
         self.name = name
+        self.token = token if token is not None else os.environ.get("DIFFSLOT_TOKEN", "")
         self.welcome: Welcome | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._stats_waiters: dict[int, list] = {}
@@ -203,17 +237,31 @@ class Client:
 
     # ------------------------------------------------------------ requests
     def submit(self, params: GenerateParams, *, request_id: str | None = None,
-               progress: bool = True) -> RequestHandle:
+               progress: bool = True, partial_images: int = 0,
+               on_partial_image: Callable[[PartialImage], None] | None = None) -> RequestHandle:
         """Queue a request; returns at once. `progress=False` asks the engine not to send
-        Progress messages (handle.progress() then only ends)."""
+        Progress messages (handle.progress() then only ends). `partial_images` (0–3): that
+        many decoded previews of the clean-image estimate (handle.partial_images(), or
+        `on_partial_image` called on the IO thread, registered before the request is sent)."""
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, request_id)
+        if on_partial_image is not None:
+            handle.on_partial_image(on_partial_image)
+        msg = Submit(request_id, params, progress, partial_images)
+        limit = self.welcome.max_message_bytes if self.welcome is not None else 0
+        size = len(self._encoder.encode(msg)) if limit else 0
         with self._lock:  # atomic with _take_handles: a handle is either failed by death/close or never made
             self._check_usable()
             if request_id in self._handles:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._handles[request_id] = handle
-        self._send_soon(Submit(request_id, params, progress))
+            if size <= limit or not limit:
+                self._handles[request_id] = handle
+        if limit and size > limit:  # the engine would refuse it: say so here, without sending megabytes
+            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f)))
+            handle._finish(Rejected(request_id, f"message of {size} bytes exceeds the engine's limit of {limit} "
+                                                f"bytes per message (Welcome.max_message_bytes)", longest), None)
+            return handle
+        self._send_soon(msg)
         return handle
 
     def generate(self, params: GenerateParams, timeout: float | None = None) -> Result:
@@ -262,7 +310,7 @@ class Client:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._waker.read_fd, zmq.POLLIN)
-        self._send(Hello(PROTOCOL_VERSION, os.getpid(), self.name))
+        self._send(Hello(PROTOCOL_VERSION, os.getpid(), self.name, self.token))
         interval, timeout = 0.5, None  # until Welcome says otherwise; no liveness deadline before it
         last_heard = next_beat = time.monotonic()
         unsent: collections.deque = collections.deque()
@@ -356,16 +404,26 @@ class Client:
                 waiter[1] = msg.stats
                 waiter[0].set()
             return
+        if isinstance(msg, PartialImage):
+            msg.image = frames[1].bytes if len(frames) > 1 else b""
         if isinstance(msg, Completed):
             msg.output = _payload(msg, frames[1] if len(frames) > 1 else None)
             self._send(Delivered(msg.request_id))  # hands the bytes back to our budget on the engine
         if isinstance(msg, Rejected) and not msg.request_id:
-            if self.welcome is None and msg.field == "version":
-                self._handshake_error = ConnectionError(msg.reason)
+            if self.welcome is None and msg.field in ("version", "token"):
+                error = AuthenticationError if msg.field == "token" else ConnectionError
+                self._handshake_error = error(f"engine at {self.address} refused the connection: {msg.reason}")
                 self._closing = True
                 self._welcomed.set()
             else:
                 log.error("engine rejected a message: %s", msg.reason)
+            return
+        if isinstance(msg, ProgressBatch):  # one message per step for all our requests
+            with self._lock:
+                handles = [(self._handles.get(rid), Progress(rid, step, total)) for rid, step, total in msg.items]
+            for handle, progress in handles:
+                if handle is not None:
+                    handle._deliver(progress)
             return
         with self._lock:
             handle = self._handles.get(msg.request_id)
@@ -423,10 +481,16 @@ class AsyncClient:
         return self._client
 
     async def generate(self, params: GenerateParams, *,
-                       on_progress: Callable[[Progress], None] | None = None) -> Result:
-        """Submit and await the result. Raises EngineDeadError if the engine dies."""
+                       on_progress: Callable[[Progress], None] | None = None,
+                       partial_images: int = 0,
+                       on_partial_image: Callable[[PartialImage], None] | None = None) -> Result:
+        """Submit and await the result. Raises EngineDeadError if the engine dies.
+        `on_partial_image` is called on the event loop for each of `partial_images` previews."""
         loop = asyncio.get_running_loop()
-        handle = self._client.submit(params, progress=on_progress is not None)
+        callback = None if on_partial_image is None else \
+            (lambda p: loop.call_soon_threadsafe(on_partial_image, p))
+        handle = self._client.submit(params, progress=on_progress is not None, partial_images=partial_images,
+                                     on_partial_image=callback)
         done = loop.create_future()
         handle.add_done_callback(lambda h: loop.call_soon_threadsafe(_resolve, done))
         try:

@@ -1,68 +1,31 @@
 """Suite-wide guards: a test that leaves a child process or a shared-memory segment
-behind fails, and what it left is cleaned up so the next test starts clean."""
+behind fails, and what it left is cleaned up so the next test starts clean.
+
+Processes are found two ways: direct children of this process, and every process
+whose environment carries DIFFSLOT_TEST_OWNER=<this pid> (set here, so every
+subprocess of the suite inherits it, and so do theirs: an engine's decode workers,
+even once their engine is gone and they were reparented). A marked process that is
+new since the test started counts unless its parent is a process that was already
+there (e.g. a decode worker that a module-scoped engine respawned)."""
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 import signal
-import sys
 import time
 
 import pytest
 
-from engine.transport import pid_alive
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `tests.reference` and friends import from the repo root
-    sys.path.insert(0, str(ROOT))
-
-SHM = pathlib.Path("/dev/shm")
-# long-lived helpers that multiprocessing itself keeps for the whole session
-_HARMLESS = ("resource_tracker", "forkserver")
-
-
-def _segments() -> set[str]:
-    try:
-        return {p.name for p in SHM.iterdir() if "diffslot" in p.name}
-    except FileNotFoundError:
-        return set()
-
-
-def _leaked(name: str) -> bool:
-    """A segment is this run's leak when its owner (the pid in `diffslot-<pid>-...`) is
-    this process or is dead; another live engine's segment on the machine is not ours."""
-    match = re.match(r"diffslot-(?:test-)?(\d+)", name)
-    if not match:
-        return True
-    pid = int(match.group(1))
-    return pid == os.getpid() or not pid_alive(pid)
-
-
-def _children() -> dict[int, str]:
-    me, found = os.getpid(), {}
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            fields = text[text.rindex(")") + 2:].split()
-            if int(fields[1]) != me or fields[0] == "Z":
-                continue
-            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if not any(h in cmd for h in _HARMLESS):
-            found[int(stat.parent.name)] = cmd.strip()
-    return found
+from leak_guard import SHM, _leaked, _new_processes, _processes, _segments
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_processes_or_segments():
     segments_before = _segments()
-    children_before = set(_children())
+    processes_before = set(_processes())
     yield
     deadline = time.monotonic() + 3.0
     while True:
-        left = {pid: cmd for pid, cmd in _children().items() if pid not in children_before}
+        left = _new_processes(processes_before)
         new_segments = {name for name in _segments() - segments_before if _leaked(name)}
         if not left and not new_segments or time.monotonic() > deadline:
             break
@@ -72,7 +35,7 @@ def no_leaked_processes_or_segments():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
-            pass
+            pass  # not our child: init reaps it
     # a killed leftover's segments now have a dead owner: they count too
     new_segments = {name for name in _segments() - segments_before if _leaked(name)}
     for name in new_segments:
@@ -81,3 +44,15 @@ def no_leaked_processes_or_segments():
     problems += [f"shared memory segment left: /dev/shm/{name}" for name in sorted(new_segments)]
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module: deterministic, and faster and steadier on a shared
+    2-core machine. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

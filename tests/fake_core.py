@@ -23,21 +23,25 @@ import zlib
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.models.shapes.draw import CONDITIONS, NULL_CONDITION  # noqa: E402
-from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings  # noqa: E402
+from engine.core.interface import ModelInfo  # noqa: E402
+from engine.protocol import OUTPUT_KINDS, GenerateParams, Timings, output_nbytes  # noqa: E402
 
-from engine.outputs import (  # noqa: E402 - the core's own output types, torch-free
-    DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
+from engine.core.outputs import (  # noqa: E402 - the core's own output types, torch-free
+    DenoiseFinished, PreviewReady, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
 )
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+from engine.protocol import SAMPLERS  # noqa: E402
 MAX_STEPS = 1000
 
 
+# the shapes model's prompts: the fake knows them as a class-conditional model would
+PROMPTS = tuple(f"a {color} {shape}" for color in ("red", "green", "blue")
+                for shape in ("circle", "square", "triangle", "cross"))
+
+
 class FakeModel:
-    """What the engine process needs of a model: conditions, sizes, decode."""
+    """What the fake core and the decode stage need of a model: prompts, sizes, decode."""
 
     latent_channels = 4
     vae_scale = 4
@@ -45,7 +49,7 @@ class FakeModel:
     def __init__(self, native_size: int = 32, decode_delay_s: float = 0.0):
         self.native_size = native_size
         self.decode_delay_s = decode_delay_s  # to make cancels land during decode
-        self.conditions = [*CONDITIONS, NULL_CONDITION]
+        self.prompts = PROMPTS
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
@@ -61,7 +65,7 @@ class FakeModel:
 
 def fake_latents(params: GenerateParams, shape: tuple[int, ...]) -> np.ndarray:
     """The deterministic 'result' of a request: a function of its own parameters only."""
-    key = zlib.crc32(f"{params.condition}|{params.sampler}|{params.steps}|{params.guidance!r}".encode())
+    key = zlib.crc32(f"{params.prompt}|{params.sampler}|{params.steps}|{params.guidance!r}".encode())
     rng = np.random.default_rng([params.seed, key])
     return rng.standard_normal(shape, dtype=np.float32)
 
@@ -71,7 +75,7 @@ class FakeConfig:
     slots: int = 16
     max_queue: int = 64
     step_delay_s: float = 0.0  # sleep per step with work, to make cancels land mid-denoise
-    fail_condition: str | None = None  # requests with this condition fail at their first step
+    fail_prompt: str | None = None  # requests with this prompt fail at their first step
 
 
 @dataclasses.dataclass
@@ -83,6 +87,7 @@ class _Req:
     step: int = 0
     admitted_at: float | None = None
     evals: int = 0
+    previews: list = dataclasses.field(default_factory=list)  # steps after which a preview goes out
 
 
 class FakeCore:
@@ -99,12 +104,19 @@ class FakeCore:
         self.steps_run = 0
 
     # ------------------------------------------------------------------ interface
-    def add_request(self, request_id: str, params: GenerateParams, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, params: GenerateParams, arrival_time: float | None = None,
+                    partial_images: int = 0) -> None:
         height, width = self._validate(params)
+        if not 0 <= partial_images <= 3:
+            raise RequestRejected("must be an integer in [0, 3]", "partial_images", 0.0)
         if len(self.queue) >= self.config.max_queue:
             raise RequestRejected("queue full", None, 0.5)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.queue[request_id] = _Req(request_id, params, arrival, self.model.latent_shape(height, width))
+        req = _Req(request_id, params, arrival, self.model.latent_shape(height, width))
+        steps = params.steps
+        req.previews = sorted({max(1, round(steps * (k + 1) / (partial_images + 1))) for k in range(partial_images)}
+                              - {steps})
+        self.queue[request_id] = req
 
     def abort_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -134,7 +146,7 @@ class FakeCore:
             time.sleep(self.config.step_delay_s)
         self.steps_run += 1
         for rid, req in list(self.running.items()):
-            if req.params.condition == self.config.fail_condition:
+            if req.params.prompt == self.config.fail_prompt:
                 del self.running[rid]
                 outputs.append(RequestFailed(rid, "injected failure"))
                 continue
@@ -144,6 +156,9 @@ class FakeCore:
             self.useful_evals += rows
             self.total_evals += rows
             outputs.append(StepProgress(rid, req.step, req.params.steps))
+            if req.step in req.previews:  # a preview: the final latents, scaled by progress
+                latents = fake_latents(req.params, req.shape) * (req.step / req.params.steps)
+                outputs.append(PreviewReady(rid, req.previews.index(req.step), req.step, req.params.steps, latents))
             if req.step == req.params.steps:
                 del self.running[rid]
                 self.decoding[rid] = False
@@ -153,6 +168,17 @@ class FakeCore:
 
     def decode_done(self, request_id: str) -> bool:
         return not self.decoding.pop(request_id, True)
+
+    def output_bytes(self, params: GenerateParams) -> int:
+        native = self.model.native_size
+        height, width = params.height or native, params.width or native
+        if not (type(height) is int and type(width) is int and 0 < height <= 1024 and 0 < width <= 1024):
+            return 0
+        return output_nbytes(params.output, height, width, self.model.latent_shape(height, width))
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(name="fake", native_size=self.model.native_size, prompts=self.model.prompts,
+                         pipeline="fake")
 
     def stats(self) -> dict:
         return {  # the real core's keys, and `decoding`
@@ -171,8 +197,8 @@ class FakeCore:
 
     # ------------------------------------------------------------------ helpers
     def _validate(self, params: GenerateParams) -> tuple[int, int]:
-        if params.condition not in self.model.conditions[:-1]:
-            raise RequestRejected(f"unknown condition {params.condition!r}", "condition", 0.0)
+        if params.prompt not in self.model.prompts:
+            raise RequestRejected(f"unknown prompt {params.prompt!r}", "prompt", 0.0)
         if not 1 <= params.steps <= MAX_STEPS:
             raise RequestRejected(f"steps must be in 1..{MAX_STEPS}", "steps", 0.0)
         if params.sampler not in SAMPLERS:
@@ -199,8 +225,8 @@ class FakeCore:
 
 
 def main(argv=None) -> int:
-    from engine.decode_stage import InProcessDecodeStage
-    from engine.proc import ProcConfig, configure_logging, run_engine
+    from engine.decode.in_process import InProcessDecodeStage
+    from engine.serve.proc import ProcConfig, configure_logging, run_engine
 
     ap = argparse.ArgumentParser(description="an engine process around FakeCore (tests only)")
     ap.add_argument("--address", required=True)
@@ -213,16 +239,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heartbeat", type=float, default=0.5)
     ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--decode-delay", type=float, default=0.0)
-    ap.add_argument("--fail-condition", default=None)
+    ap.add_argument("--fail-prompt", default=None)
     ap.add_argument("--metrics-port", type=int, default=None)
     args = ap.parse_args(argv)
     configure_logging()
     model = FakeModel(args.size, args.decode_delay)
-    core = FakeCore(model, FakeConfig(args.slots, args.max_queue, args.step_delay, args.fail_condition))
+    core = FakeCore(model, FakeConfig(args.slots, args.max_queue, args.step_delay, args.fail_prompt))
     config = ProcConfig(address=args.address, heartbeat_interval_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
                         output_budget_bytes=args.output_budget, sndhwm=args.sndhwm,
                         metrics_port=args.metrics_port, model_name="fake")
-    return run_engine(core, model, config, lambda on_ready: InProcessDecodeStage(model, on_ready))
+    return run_engine(core, config, lambda on_ready: InProcessDecodeStage(model, on_ready))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,19 @@
 Every process started here is reaped by the context manager that started it, and
 ipc sockets live in short private directories (unix socket paths are limited to
 about 107 bytes, which pytest's tmp_path can exceed).
+
+Fake engines run through this file (`python tests/proc_helpers.py fake ...`): the
+FakeCore of tests/fake_core.py behind the real engine process, with the engine
+process's own flags (engine.serve.options: --step-timeout, --drain-timeout,
+--max-queue-per-client, --max-backlog-bytes, --auth-token-file) on top of the fake's.
+Faults are injected by wrapping the core (`FaultyCore`), configured through the
+DIFFSLOT_TEST_FAULTS environment variable (JSON), for the fake core and for the real
+one (`python -m engine serve --core tests.proc_helpers:faulty_core`).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import shutil
@@ -22,9 +31,9 @@ import zmq
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FAKE_CORE = REPO / "tests" / "fake_core.py"
-sys.path.insert(0, str(REPO))
 
 from engine.protocol import PROTOCOL_VERSION, Heartbeat, Hello, encoder, engine_decoder  # noqa: E402
+from engine.serve import launcher  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -43,73 +52,166 @@ def env() -> dict:
     return environment
 
 
-class EngineProcess:
-    """An engine subprocess: `fake=True` runs tests/fake_core.py, else `python -m engine serve`."""
+FAULTS_ENV = "DIFFSLOT_TEST_FAULTS"
 
-    def __init__(self, address: str, log_path: pathlib.Path, args: list[str], fake: bool = True):
-        self.address = address
-        self.log_path = log_path
-        if fake:
-            command = [sys.executable, str(FAKE_CORE), "--address", address, *args]
-        else:
-            command = [sys.executable, "-m", "engine", "serve", "--address", address, *args]
-        self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=self._log)
-        self.pid = self.popen.pid
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        from frontend import Client
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.popen.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not ready in {timeout}s:\n{self.log()}")
-            try:
-                with Client(self.address, connect_timeout=0.5):
-                    return
-            except ConnectionError:
-                pass
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._log.close()
-        return self.popen.returncode
+def start_engine(address: str, log_path: pathlib.Path, args: list[str], fake: bool = True, *,
+                 faults: dict | None = None, new_session: bool = False,
+                 extra_env: dict | None = None) -> launcher.EngineProcess:
+    """An engine subprocess: `fake=True` runs FakeCore (tests/fake_core.py) behind the engine
+    process, else `python -m engine serve`. `faults` (see FaultyCore) wraps the core;
+    `new_session`: its own process group (the engine's pid), as a container's."""
+    environment = env()
+    environment.update(extra_env or {})
+    if faults:
+        environment[FAULTS_ENV] = json.dumps(faults)
+        if not fake:
+            args = ["--core", "tests.proc_helpers:faulty_core", *args]
+    command = [sys.executable, str(pathlib.Path(__file__).resolve()), "fake", "--address", address, *args] if fake \
+        else launcher.serve_command(address, *args)
+    return launcher.EngineProcess(command, address, log_path, env=environment, cwd=REPO, new_session=new_session)
 
 
 @contextlib.contextmanager
-def fake_engine(*args: str, ready_timeout: float = 60.0):
+def fake_engine(*args: str, ready_timeout: float = 60.0, faults: dict | None = None, stop_timeout: float = 20.0):
     """A FakeCore engine on a fresh ipc socket; stopped (SIGTERM, then SIGKILL) and reaped after."""
     with socket_dir() as directory:
-        engine = EngineProcess(f"ipc://{directory / 'engine.sock'}", directory / "engine.log", list(args))
+        engine = start_engine(f"ipc://{directory / 'engine.sock'}", directory / "engine.log", list(args),
+                              faults=faults)
         try:
             engine.wait_ready(ready_timeout)
             yield engine
         finally:
-            engine.stop()
+            engine.stop(stop_timeout)
 
 
 @contextlib.contextmanager
-def real_engine(*args: str, ready_timeout: float = 180.0):
+def real_engine(*args: str, ready_timeout: float = 180.0, faults: dict | None = None, new_session: bool = False,
+                stop_timeout: float = 20.0):
     with socket_dir() as directory:
-        engine = EngineProcess(f"ipc://{directory / 'engine.sock'}", directory / "engine.log",
-                               ["--device", "cpu", *args], fake=False)
+        engine = start_engine(f"ipc://{directory / 'engine.sock'}", directory / "engine.log",
+                              ["--device", "cpu", *args], fake=False, faults=faults, new_session=new_session)
         try:
             engine.wait_ready(ready_timeout)
             yield engine
         finally:
-            engine.stop()
+            engine.stop(stop_timeout)
+
+
+# --------------------------------------------------------------------- fault injection
+
+class FaultyCore:
+    """Wraps a core (CoreInterface) to inject faults by prompt:
+
+    - `hang_prompt`: once a request with this prompt is admitted, step() hangs —
+      `hang_mode` "sleep" (blocked in C code without the GIL, as a stuck device sync)
+      or "gil" (a regular expression that backtracks for ever while holding the GIL).
+    - `raise_prompt`: step() raises once such a request was added (an unguarded core bug).
+    Everything else is the wrapped core's."""
+
+    def __init__(self, core, hang_prompt: str | None = None, hang_mode: str = "sleep", hang_s: float = 3600.0,
+                 raise_prompt: str | None = None):
+        self._core = core
+        self._hang_prompt, self._hang_mode, self._hang_s = hang_prompt, hang_mode, hang_s
+        self._raise_prompt = raise_prompt
+        self._armed: str | None = None
+
+    def add_request(self, request_id, params, arrival_time=None, partial_images=0):
+        self._core.add_request(request_id, params, arrival_time=arrival_time, partial_images=partial_images)
+        if params.prompt == self._hang_prompt:
+            self._armed = "hang"
+        elif params.prompt == self._raise_prompt:
+            self._armed = "raise"
+
+    def step(self):
+        outputs = self._core.step()
+        if self._armed == "raise":
+            raise RuntimeError("injected core failure (FaultyCore.raise_prompt)")
+        if self._armed == "hang":
+            if self._hang_mode == "gil":
+                import re
+
+                re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking inside the GIL
+            time.sleep(self._hang_s)
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+def _faults() -> dict:
+    return json.loads(os.environ.get(FAULTS_ENV) or "{}")
+
+
+def _wrap(core):
+    faults = {k: v for k, v in _faults().items() if k != "poison_prompt"}
+    return FaultyCore(core, **faults) if faults else core
+
+
+def poison_model(model, prompt: str):
+    """Make the real model's denoiser raise for any batch holding a row conditioned on
+    `prompt` (issue 13 item 1's poison request): its embeddings are tagged when the
+    model encodes them, and `denoise` refuses tagged rows, as a denoiser that cannot
+    take some input would. The core must fail that request alone."""
+    encode, denoise = model.encode, model.denoise
+
+    def tagged_encode(prompts):
+        rows = encode(prompts)
+        for text, row in zip(prompts, rows):
+            if text == prompt:
+                row._poison = True
+        return rows
+
+    def refusing_denoise(x, t, rows):
+        if any(getattr(row, "_poison", False) for row in rows):
+            raise ValueError(f"injected denoiser failure: cannot take the prompt {prompt!r}")
+        return denoise(x, t, rows)
+
+    model.encode, model.denoise = tagged_encode, refusing_denoise
+    return model
+
+
+def faulty_core(model, config):
+    """`python -m engine serve --core tests.proc_helpers:faulty_core`: the real EngineCore,
+    wrapped as DIFFSLOT_TEST_FAULTS says (`poison_prompt` poisons the model's denoiser)."""
+    from engine.core import EngineCore
+
+    if _faults().get("poison_prompt"):
+        model = poison_model(model, _faults()["poison_prompt"])
+    return _wrap(EngineCore(model, config))
+
+
+def fake_main(argv: list[str]) -> int:
+    """tests/fake_core.py's engine, with the engine process's own flags and FaultyCore."""
+    import argparse
+
+    import engine.serve.proc as proc
+    from engine.serve.options import add_proc_arguments, proc_config_from_args
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--allow-remote-bind", action="store_true")
+    add_proc_arguments(ap, defaults={"step_timeout": 60.0, "drain_timeout": 10.0})
+    args, rest = ap.parse_known_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    import fake_core
+
+    base, run_engine = proc.ProcConfig, proc.run_engine
+
+    def config(**fields):  # fake_core builds its ProcConfig: add ours
+        fields.update(address=args.address, allow_remote_bind=args.allow_remote_bind)
+        proc.ProcConfig = base  # proc_config_from_args builds the real one
+        try:
+            return proc_config_from_args(args, **fields)
+        finally:
+            proc.ProcConfig = config
+
+    proc.ProcConfig = config
+    proc.run_engine = lambda core, cfg, stage: run_engine(_wrap(core), cfg, stage)
+    try:
+        return fake_core.main(["--address", args.address, *rest])
+    finally:
+        proc.ProcConfig, proc.run_engine = base, run_engine
 
 
 @contextlib.contextmanager
@@ -204,3 +306,7 @@ class RawPeer:
 
 def encode_raw(obj) -> bytes:
     return msgspec.msgpack.encode(obj)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "fake":
+    sys.exit(fake_main(sys.argv[2:]))

@@ -22,22 +22,22 @@ import re
 import pytest
 import torch
 
-from reference import reference_latents, rel_l2, tiny_model
+from engine.testing.reference import reference_latents, rel_l2, tiny_model
 
 from engine.core import (
     CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
 )
-from engine.fences import DeferredFences
+from engine.core.config import ADMISSIONS, LAYOUTS
+from engine.core.fences import DeferredFences
 from engine.protocol import GenerateParams
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.timeout(60),
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
 ]
 
 TOL = 1e-5
-LAYOUTS = ("compact", "padded", "bucketed")
-ADMISSIONS = ("continuous", "static")
 
 
 @pytest.fixture(autouse=True)
@@ -68,22 +68,13 @@ def no_leaked_processes_or_segments():
     assert children() <= before_children, "a child process was left running"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: deterministic, and fast on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("epsilon")
 
 
-def P(condition="red circle", steps=5, sampler="euler", guidance=3.0, seed=0, output="latent", **kw) -> GenerateParams:
-    return GenerateParams(condition=condition, steps=steps, sampler=sampler, guidance=guidance, seed=seed,
+def P(prompt="a red circle", steps=5, sampler="euler", guidance=3.0, seed=0, output="latent", **kw) -> GenerateParams:
+    return GenerateParams(prompt=prompt, steps=steps, sampler=sampler, guidance=guidance, seed=seed,
                           output=output, **kw)
 
 
@@ -91,9 +82,9 @@ _REFERENCES: dict = {}
 
 
 def reference(model, p: GenerateParams) -> torch.Tensor:
-    key = (model.revision, p.sampler, p.condition, p.steps, p.guidance, p.seed, p.height, p.width)
+    key = (model.revision, p.sampler, p.prompt, p.steps, p.guidance, p.seed, p.height, p.width)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference_latents(model, p.sampler, p.condition, p.steps, p.guidance, p.seed,
+        _REFERENCES[key] = reference_latents(model, p.sampler, p.prompt, p.steps, p.guidance, p.seed,
                                              p.height, p.width)
     return _REFERENCES[key]
 
@@ -189,12 +180,12 @@ class Driver:
 # ---------------------------------------------------------------------- correctness in a mixed batch
 
 MIXED = {  # step() call at which each arrives
-    0: [("e50", P("red circle", 50, "euler", 3.0, 11)),
-        ("d1", P("green square", 1, "ddim", 1.0, 12))],
-    1: [("a5", P("blue triangle", 5, "euler_ancestral", 3.0, 13))],
-    3: [("m20", P("red circle", 20, "dpmpp_2m", 7.5, 14)),
-        ("m2", P("blue triangle", 2, "dpmpp_2m", 1.0, 15))],
-    6: [("d5", P("green square", 5, "ddim", 2.0, 16))],
+    0: [("e50", P("a red circle", 50, "euler", 3.0, 11)),
+        ("d1", P("a green square", 1, "ddim", 1.0, 12))],
+    1: [("a5", P("a blue triangle", 5, "euler_ancestral", 3.0, 13))],
+    3: [("m20", P("a red circle", 20, "dpmpp_2m", 7.5, 14)),
+        ("m2", P("a blue triangle", 2, "dpmpp_2m", 1.0, 15))],
+    6: [("d5", P("a green square", 5, "ddim", 2.0, 16))],
     10: [("a20", P("", 20, "euler_ancestral", 1.0, 17))],
 }
 
@@ -225,6 +216,23 @@ def test_mixed_group_equals_reference(model, layout, admission):
     assert_drained(core)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_cuda_host_path_on_cpu_tensors_equals_reference(model, layout):
+    """The CUDA path's host side, run on CPU tensors: the step's arrays through the packed
+    staging ring (one upload a step), final latents through fence-gated copies."""
+    core = EngineCore(model, CoreConfig(slots=3, layout=layout))
+    core.staged_uploads = core.async_copies = True
+    d = Driver(core)
+    d.run(MIXED)
+    params = {rid: p for batch in MIXED.values() for rid, p in batch}
+    assert set(d.finished) == set(params)
+    for rid, p in params.items():
+        assert_reference(model, d.finished[rid], p)
+    (group,) = core.groups.values()
+    assert group.staging is not None and group.staging.uploads == core.batches
+    assert_drained(core)
+
+
 @pytest.mark.parametrize("prediction,samplers", [
     ("v_prediction", ("euler", "euler_ancestral", "ddim", "dpmpp_2m")),
     ("sample", ("euler", "ddim", "dpmpp_2m")),
@@ -236,7 +244,7 @@ def test_prediction_types_mixed(prediction, samplers):
     arrivals = collections.defaultdict(list)
     params = {}
     for i, sampler in enumerate(samplers):
-        p = P(("red circle", "green square")[i % 2], 3 + 2 * i, sampler, (3.0, 1.0)[i % 2], 40 + i)
+        p = P(("a red circle", "a green square")[i % 2], 3 + 2 * i, sampler, (3.0, 1.0)[i % 2], 40 + i)
         params[sampler] = p
         arrivals[i].append((sampler, p))
     d = Driver(core)
@@ -251,9 +259,9 @@ def test_prediction_types_mixed(prediction, samplers):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cancel_long_request_beside_short_ones(model, layout):
     core = EngineCore(model, CoreConfig(slots=3, layout=layout))
-    short = {"s1": P("green square", 5, "euler", 3.0, 1), "s2": P("blue triangle", 2, "ddim", 1.0, 2),
-             "s3": P("red circle", 5, "euler_ancestral", 3.0, 3), "s4": P("green square", 4, "dpmpp_2m", 2.0, 4)}
-    arrivals = {0: [("long", P("red circle", 50, "dpmpp_2m", 3.0, 9)), ("s1", short["s1"]), ("s2", short["s2"])],
+    short = {"s1": P("a green square", 5, "euler", 3.0, 1), "s2": P("a blue triangle", 2, "ddim", 1.0, 2),
+             "s3": P("a red circle", 5, "euler_ancestral", 3.0, 3), "s4": P("a green square", 4, "dpmpp_2m", 2.0, 4)}
+    arrivals = {0: [("long", P("a red circle", 50, "dpmpp_2m", 3.0, 9)), ("s1", short["s1"]), ("s2", short["s2"])],
                 2: [("s3", short["s3"]), ("s4", short["s4"])]}
     d = Driver(core)
     for k in range(4):  # four batches; the long request (2 rows per step) has run in each
@@ -283,7 +291,7 @@ def test_cancel_long_request_beside_short_ones(model, layout):
 
 def test_cancel_while_queued(model):
     core = EngineCore(model, CoreConfig(slots=1))
-    a, b = P("red circle", 6, "dpmpp_2m", 3.0, 1), P("blue triangle", 6, "euler", 3.0, 2)
+    a, b = P("a red circle", 6, "dpmpp_2m", 3.0, 1), P("a blue triangle", 6, "euler", 3.0, 2)
     core.add_request("a", a)
     core.add_request("b", b)
     d = Driver(core)
@@ -304,7 +312,7 @@ def test_cancel_while_queued(model):
 def test_cancel_while_decoding(model):
     """After DenoiseFinished, before decode_done: Canceled, and decode_done says drop it."""
     core = EngineCore(model, CoreConfig(slots=2, decode_buffers=2))
-    a, b = P("red circle", 3, "euler", 3.0, 1), P("green square", 6, "ddim", 1.0, 2)
+    a, b = P("a red circle", 3, "euler", 3.0, 1), P("a green square", 6, "ddim", 1.0, 2)
     core.add_request("a", a)
     core.add_request("b", b)
     d = Driver(core, auto_decode=False)
@@ -335,7 +343,7 @@ def test_cancel_while_decoding(model):
 def test_canceled_slot_not_reused_before_fence(model):
     fences = DeferredFences()
     core = EngineCore(model, CoreConfig(slots=1), fences=fences)
-    a, b = P("red circle", 10, "dpmpp_2m", 3.0, 1), P("green square", 4, "dpmpp_2m", 3.0, 2)
+    a, b = P("a red circle", 10, "dpmpp_2m", 3.0, 1), P("a green square", 4, "dpmpp_2m", 3.0, 2)
     core.add_request("a", a)
     d = Driver(core)
     d.step()
@@ -367,7 +375,7 @@ def test_canceled_slot_not_reused_before_fence(model):
 def test_finished_slot_not_reused_before_fence_and_stale_reports(model):
     fences = DeferredFences()
     core = EngineCore(model, CoreConfig(slots=1), fences=fences)
-    a, b = P("red circle", 3, "euler_ancestral", 3.0, 1), P("blue triangle", 5, "dpmpp_2m", 3.0, 2)
+    a, b = P("a red circle", 3, "euler_ancestral", 3.0, 1), P("a blue triangle", 5, "dpmpp_2m", 3.0, 2)
     core.add_request("a", a)
     d = Driver(core)
     for _ in range(3):
@@ -398,7 +406,7 @@ def test_cancel_while_finishing(model):
     """Cancel after the last launch, before its fence: Canceled, never DenoiseFinished."""
     fences = DeferredFences()
     core = EngineCore(model, CoreConfig(slots=2), fences=fences)
-    a, b = P("red circle", 2, "ddim", 3.0, 1), P("green square", 4, "euler", 1.0, 2)
+    a, b = P("a red circle", 2, "ddim", 3.0, 1), P("a green square", 4, "euler", 1.0, 2)
     core.add_request("a", a)
     core.add_request("b", b)
     d = Driver(core)
@@ -415,6 +423,36 @@ def test_cancel_while_finishing(model):
     assert_drained(core)
 
 
+def test_final_latents_leave_by_an_asynchronous_copy_gated_by_its_fence(model):
+    """The CUDA publish path (run here with deferred fences): the final latents are copied
+    out asynchronously; DenoiseFinished and the slot's release wait for the copy's fence;
+    a cancel while the copy is in flight ends as Canceled."""
+    fences = DeferredFences()
+    core = EngineCore(model, CoreConfig(slots=2), fences=fences)
+    core.async_copies = True
+    a, b = P("a red circle", 2, "dpmpp_2m", 3.0, 1), P("a green square", 2, "euler", 1.0, 2)
+    core.add_request("a", a)
+    core.add_request("b", b)
+    d = Driver(core)
+    d.step()
+    d.step()
+    fences.release(fences.pending[0])
+    fences.release(fences.pending[0])  # both launches done: the copies are recorded now
+    d.step()
+    assert not d.finished and len(core.copies) == 2
+    group = next(iter(core.groups.values()))
+    assert group.busy.sum() == 2, "a slot was released while its copy may still read it"
+    core.abort_requests(["b"])
+    copy_a, copy_b = (c[0] for c in core.copies)
+    fences.release(copy_a)
+    fences.release(copy_b)
+    d.step()
+    assert set(d.finished) == {"a"} and "b" in d.canceled
+    assert_reference(model, d.finished["a"], a)
+    assert group.busy.sum() == 0 and list(group.epoch) == [1, 1]
+    assert_drained(core)
+
+
 # ---------------------------------------------------------------------- multistep histories
 
 @pytest.mark.parametrize("layout", ("compact", "padded"))
@@ -422,9 +460,9 @@ def test_interleaved_multistep_histories(model, layout):
     """dpmpp_2m keeps x0 of the previous step per slot: two requests at different orders
     in one batch (A mid-way, B at its first step), A canceled, its slot recycled to C."""
     core = EngineCore(model, CoreConfig(slots=2, layout=layout))
-    a = P("red circle", 12, "dpmpp_2m", 3.0, 1)
-    b = P("green square", 8, "dpmpp_2m", 1.0, 2)
-    c = P("blue triangle", 6, "dpmpp_2m", 5.0, 3)
+    a = P("a red circle", 12, "dpmpp_2m", 3.0, 1)
+    b = P("a green square", 8, "dpmpp_2m", 1.0, 2)
+    c = P("a blue triangle", 6, "dpmpp_2m", 5.0, 3)
     d = Driver(core)
     core.add_request("A", a)
     for _ in range(4):
@@ -454,17 +492,17 @@ def test_random_stream_isolation(model):
     padded layout keeps the denoiser's batch shape and the request's row fixed, so the
     comparison is exact; compact batches of other sizes differ in float rounding only
     (that is covered, to 1e-5, by the reference tests)."""
-    x = P("red circle", 12, "euler_ancestral", 3.0, 5)
+    x = P("a red circle", 12, "euler_ancestral", 3.0, 5)
 
     def run(neighbours: bool) -> torch.Tensor:
         core = EngineCore(model, CoreConfig(slots=4, layout="padded"))
         arrivals = {0: [("x", x)]}
         cancels = {}
         if neighbours:
-            arrivals[0] += [("n1", P("green square", 3, "euler_ancestral", 1.0, 5))]  # same seed
-            arrivals[2] = [("n2", P("blue triangle", 20, "euler_ancestral", 3.0, 6)),
-                           ("n3", P("red circle", 2, "dpmpp_2m", 3.0, 7))]
-            arrivals[4] = [("n4", P("red circle", 4, "euler_ancestral", 2.0, 8)),
+            arrivals[0] += [("n1", P("a green square", 3, "euler_ancestral", 1.0, 5))]  # same seed
+            arrivals[2] = [("n2", P("a blue triangle", 20, "euler_ancestral", 3.0, 6)),
+                           ("n3", P("a red circle", 2, "dpmpp_2m", 3.0, 7))]
+            arrivals[4] = [("n4", P("a red circle", 4, "euler_ancestral", 2.0, 8)),
                            ("n5", P("", 6, "euler", 1.0, 9))]
             cancels = {6: ["n2"], 7: ["n5"]}
         d = Driver(core)
@@ -505,9 +543,9 @@ def test_random_stream_isolation(model):
 #   bucketed continuous: r1 1+0+3=4, r2 1+0=1, r3 0, r4 3+0=3, r5 3
 #   bucketed static:     r1 1+1+0=2, r2 1+1=2, r3 0, r4 0+0=0, r5 0
 ACCOUNTING_ARRIVALS = {
-    0: [("r1", P("red circle", 3, "euler", 3.0, 1)), ("r2", P("green square", 2, "ddim", 1.0, 2))],
-    1: [("r3", P("blue triangle", 1, "euler", 1.0, 3))],
-    2: [("r4", P("red circle", 2, "dpmpp_2m", 2.0, 4)), ("r5", P("", 1, "euler_ancestral", 1.0, 5))],
+    0: [("r1", P("a red circle", 3, "euler", 3.0, 1)), ("r2", P("a green square", 2, "ddim", 1.0, 2))],
+    1: [("r3", P("a blue triangle", 1, "euler", 1.0, 3))],
+    2: [("r4", P("a red circle", 2, "dpmpp_2m", 2.0, 4)), ("r5", P("", 1, "euler_ancestral", 1.0, 5))],
 }
 ACCOUNTING_EVALS = {"r1": 6, "r2": 2, "r3": 1, "r4": 4, "r5": 1}
 ACCOUNTING = {  # (layout, admission): batches, useful, padded, per-request padded_evals
@@ -559,7 +597,7 @@ def test_timings_exact_with_a_step_clock():
 
     m.denoise = ticking
     core = EngineCore(m, CoreConfig(slots=1, layout="padded"), clock=clock)
-    r1, r2 = P("red circle", 2, "euler", 3.0, 1), P("green square", 3, "ddim", 1.0, 2)
+    r1, r2 = P("a red circle", 2, "euler", 3.0, 1), P("a green square", 3, "ddim", 1.0, 2)
     core.add_request("r1", r1)  # both arrive at t=0
     core.add_request("r2", r2)
     d = Driver(core)
@@ -575,7 +613,7 @@ def test_timings_exact_with_a_step_clock():
 def test_engine_stats(model):
     core = EngineCore(model, CoreConfig(slots=2))
     assert core.stats()["slot_occupancy"] == 0.0 and core.stats()["useful_ratio"] == 1.0
-    a, b, c = P("red circle", 5, "euler", 3.0, 1), P("green square", 5, "ddim", 1.0, 2), P("", 3, "euler", 3.0, 3)
+    a, b, c = P("a red circle", 5, "euler", 3.0, 1), P("a green square", 5, "ddim", 1.0, 2), P("", 3, "euler", 3.0, 3)
     for rid, p in (("a", a), ("b", b), ("c", c)):
         core.add_request(rid, p)
     assert core.stats()["queue_depth"] == 3
@@ -606,7 +644,7 @@ def test_engine_stats(model):
 
 def test_queue_bound_rejects_with_retry_after(model):
     core = EngineCore(model, CoreConfig(slots=1, max_queue=2))
-    q1, q2, q3 = P("red circle", 3, "euler", 3.0, 1), P("green square", 2, "euler", 3.0, 2), P("", 2, "ddim", 1.0, 3)
+    q1, q2, q3 = P("a red circle", 3, "euler", 3.0, 1), P("a green square", 2, "euler", 3.0, 2), P("", 2, "ddim", 1.0, 3)
     core.add_request("q1", q1)
     core.add_request("q2", q2)
     with pytest.raises(RequestRejected) as e:
@@ -625,7 +663,7 @@ def test_queue_bound_rejects_with_retry_after(model):
 
 def test_decode_buffer_reservation_holds_admission(model):
     core = EngineCore(model, CoreConfig(slots=2, decode_buffers=1))
-    a, b = P("red circle", 2, "euler", 3.0, 1), P("green square", 3, "dpmpp_2m", 3.0, 2)
+    a, b = P("a red circle", 2, "euler", 3.0, 1), P("a green square", 3, "dpmpp_2m", 3.0, 2)
     core.add_request("a", a)
     core.add_request("b", b)
     d = Driver(core, auto_decode=False)
@@ -662,8 +700,8 @@ def test_request_too_large_to_ever_fit(model):
 # ---------------------------------------------------------------------- bad input (R11)
 
 BAD = [
-    ("condition", dict(condition="purple hexagon")),
-    ("condition", dict(condition=3)),
+    ("prompt", dict(prompt="purple hexagon")),
+    ("prompt", dict(prompt=3)),
     ("steps", dict(steps=0)),
     ("steps", dict(steps=10**6)),
     ("steps", dict(steps=True)),
@@ -691,19 +729,19 @@ BAD = [
 def test_bad_input_rejected_naming_the_field(model):
     core = EngineCore(model, CoreConfig(slots=2))
     assert core.size_multiple == 2
-    good = P("green square", 4, "dpmpp_2m", 3.0, 21)
+    good = P("a green square", 4, "dpmpp_2m", 3.0, 21)
     core.add_request("good", good)
     for i, (field, overrides) in enumerate(BAD):
-        p = P(**{**dict(condition="red circle", steps=3), **overrides})
+        p = P(**{**dict(prompt="a red circle", steps=3), **overrides})
         with pytest.raises(RequestRejected) as e:
             core.add_request(f"bad{i}", p)
         assert e.value.field == field, (overrides, e.value)
         assert e.value.retry_after_s == 0
     with pytest.raises(RequestRejected) as e:
-        core.add_request("good", P("red circle", 2))  # a duplicate of an unfinished id
+        core.add_request("good", P("a red circle", 2))  # a duplicate of an unfinished id
     assert e.value.field == "request_id"
     with pytest.raises(RequestRejected) as e:
-        core.add_request("", P("red circle", 2))
+        core.add_request("", P("a red circle", 2))
     assert e.value.field == "request_id"
     assert list(core.requests) == ["good"] and core.stats()["queue_depth"] == 1
     d = Driver(core)
@@ -711,7 +749,7 @@ def test_bad_input_rejected_naming_the_field(model):
     assert set(d.finished) == {"good"} and not d.canceled
     assert_reference(model, d.finished["good"], good)  # the duplicate left the original alone
     # and after all of that, a fresh valid request still completes correctly
-    after = P("blue triangle", 5, "euler_ancestral", 2.0, 22)
+    after = P("a blue triangle", 5, "euler_ancestral", 2.0, 22)
     core.add_request("after", after)
     d.run()
     assert_reference(model, d.finished["after"], after)
@@ -729,9 +767,9 @@ def test_fairness_across_latent_shapes(model):
     both groups have work their batches alternate."""
     core = EngineCore(model, CoreConfig(slots=2, trajectory_budget_bytes=1 << 24, output_budget_bytes=1 << 24))
     assert core.size_multiple == 2 and model.native_size == 8
-    a = {f"a{i}": P(("red circle", "green square")[i % 2], 6, "euler", 3.0, i) for i in range(4)}
-    b = {"b0": P("blue triangle", 6, "dpmpp_2m", 3.0, 7, height=16, width=16),
-         "b1": P("red circle", 4, "euler_ancestral", 1.0, 8, height=16, width=16)}
+    a = {f"a{i}": P(("a red circle", "a green square")[i % 2], 6, "euler", 3.0, i) for i in range(4)}
+    b = {"b0": P("a blue triangle", 6, "dpmpp_2m", 3.0, 7, height=16, width=16),
+         "b1": P("a red circle", 4, "euler_ancestral", 1.0, 8, height=16, width=16)}
     for rid, p in {**a, **b}.items():
         core.add_request(rid, p)
     d = Driver(core)

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import arena as A
-from engine.decode_stage import InProcessDecodeStage, make_decode_stage, postprocess
-from engine.decode_workers import MultiProcessDecodeStage
+from engine.decode import arena as A
+from engine.decode.factory import make_decode_stage
+from engine.decode.in_process import InProcessDecodeStage
+from engine.decode.stage import postprocess
+from engine.decode.workers import MultiProcessDecodeStage
 from engine.protocol import GenerateParams, Timings
 
 pytestmark = [pytest.mark.timeout(120),
@@ -32,7 +34,7 @@ SHM = pathlib.Path("/dev/shm")
 
 @pytest.fixture(scope="module")
 def tiny():
-    from reference import tiny_model
+    from engine.testing.reference import tiny_model
 
     return tiny_model("epsilon", seed=0, with_vae=True)
 
@@ -80,7 +82,7 @@ def stage(shared):
 
 
 def params(kind: str = "png", **kw) -> GenerateParams:
-    return GenerateParams("red circle", output=kind, **kw)
+    return GenerateParams("a red circle", output=kind, **kw)
 
 
 def collect(stage, want: set[str], timeout: float = 60.0) -> dict:

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.fluid import LIMITS, FluidQueue, Prediction
-from engine.queue_instrument import fmt, main, make_server, parse_run
+from engine.instrument import LIMITS, FluidQueue, Prediction, fmt, main, make_server, parse_run
 
 pytestmark = pytest.mark.timeout(60)
 

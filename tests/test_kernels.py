@@ -26,10 +26,9 @@ import pytest
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from engine import kernels as engine_kernels  # noqa: E402
-from engine.solvers import A, B, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q  # noqa: E402
+from engine.core import kernels as engine_kernels  # noqa: E402
+from engine.core.solvers import A, B, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -71,6 +70,7 @@ def interpreter():
         out["latents"], out["history"] = torch.from_numpy(lat), torch.from_numpy(hist)
         return out
 
+    run.pool = pool  # for tests that run other functions in the same worker
     yield run
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -282,3 +282,232 @@ def test_reference_equals_hand_written_formula():
     assert torch.equal(history[0], h_before[0])  # keep_history off
     assert torch.equal(latents[[1, 3]], x_before[[1, 3]]) and torch.equal(history[[1, 3]], h_before[[1, 3]])
     assert (history[2].abs() <= 1.0).all() and (history[2].abs() == 1.0).any()  # clamped x0 kept, not x0u
+
+
+# ---- item 6 of issue 14: arithmetic equal to the reference, NaN, strides ---------------------------
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal as float32 values, NaN where NaN (torch.equal alone treats NaN as unequal)."""
+    assert torch.equal(a.isnan(), b.isnan()), f"{what}: NaN in different places"
+    diff = (a.nan_to_num(0.0) != b.nan_to_num(0.0))
+    assert not diff.any(), f"{what}: {int(diff.sum())} elements differ, max |Δ| " \
+                           f"{float((a.nan_to_num(0.0) - b.nan_to_num(0.0)).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_triton_equals_reference_exactly(interpreter, seed):
+    """Same float32 operations in the same order: the interpreter's kernel (numpy float32,
+    one rounding per operation, as the compiled kernel with div_rn and without FMA
+    contraction) equals the torch reference bit for bit, not just within a tolerance."""
+    inputs, block = random_case(seed)
+    ref = _clone(inputs)
+    engine_kernels.update_slots_reference(**ref)
+    tri = interpreter(inputs, block)
+    _assert_same_bits(tri["latents"], ref["latents"], "latents")
+    _assert_same_bits(tri["history"], ref["history"], "history")
+
+
+def _with_nans(seed: int, dtype=torch.float32):
+    """A random case whose used model rows (and one history and noise row) hold NaN and
+    ±inf in some elements; clips finite for most entries, so a clamp that drops NaN shows."""
+    inputs, block = random_case(seed, dtype)
+    g = torch.Generator().manual_seed(1000 + seed)
+    index = inputs["index"].long()
+    numel = inputs["latents"].shape[1]
+    out = inputs["model_out"].float()
+    for r in index[:, 1:3].flatten().tolist():
+        if r >= 0:
+            hit = torch.rand(numel, generator=g) < 0.2
+            out[r, hit] = float("nan")
+            out[r, torch.rand(numel, generator=g) < 0.05] = float("inf")
+    inputs["model_out"] = out.to(dtype)
+    inputs["coefs"][:, CLIP] = torch.rand(len(index), generator=g) + 0.5
+    inputs["coefs"][0, HC] = 0.7  # entry 0 reads its history: NaN there propagates
+    slot0 = int(index[0, 0])
+    inputs["history"][slot0, : max(1, numel // 3)] = float("nan")
+    return inputs, block
+
+
+@pytest.mark.parametrize("seed", [0, 5, 7])
+def test_nan_model_output_propagates_like_the_reference(interpreter, seed):
+    """A NaN model output stays NaN in the latents and in the kept history (x0), in the
+    kernel as in the reference: never turned into ±clip by the clamp."""
+    inputs, block = _with_nans(seed)
+    ref = _clone(inputs)
+    engine_kernels.update_slots_reference(**ref)
+    tri = interpreter(inputs, block)
+    slots = inputs["index"][:, 0].long()
+    keep = inputs["coefs"][:, KEEP_HIST] != 0
+    assert ref["latents"][slots].isnan().any()
+    if keep.any():
+        assert ref["history"][slots[keep]].isnan().any(), "the case must put NaN into a kept history row"
+    _assert_same_bits(tri["latents"], ref["latents"], "latents")
+    _assert_same_bits(tri["history"], ref["history"], "history")
+
+
+def test_nan_clamp_case_is_covered():
+    """At least one NaN case keeps history with a finite clip (the clamp's NaN path)."""
+    covered = False
+    for seed in (0, 5, 7):
+        inputs, _ = _with_nans(seed)
+        keep = inputs["coefs"][:, KEEP_HIST] != 0
+        covered |= bool(keep.any()) and bool(torch.isfinite(inputs["coefs"][keep, CLIP]).all())
+    assert covered
+
+
+def test_reference_skips_history_term_where_hc_is_zero():
+    """No history term where hc == 0 (diffusers' first-order steps have none): a NaN in
+    an unused history row does not leak into the latents — the kernel's `if hc != 0`."""
+    inputs, _ = random_case(6)
+    inputs["coefs"][:, HC] = 0.0
+    inputs["history"][:] = float("nan")
+    inputs["coefs"][:, KEEP_HIST] = 0.0
+    ref = _clone(inputs)
+    engine_kernels.update_slots_reference(**ref)
+    assert torch.isfinite(ref["latents"][inputs["index"][:, 0].long()]).all()
+
+
+def _worker_run_views(arrays: dict, dtype: str, views: dict, block: int) -> tuple:
+    """In the interpreter worker: build the strided views described by `views` over the
+    wide arrays, run the kernel on the views, return the wide latents and history."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    wide = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
+    wide["model_out"] = wide["model_out"].to(getattr(torch, dtype))
+    args = {}
+    for name, t in wide.items():
+        how = views.get(name)
+        if how is None:
+            args[name] = t
+        elif how[0] == "cols":  # first `numel` columns of a wider row: row stride > numel
+            args[name] = t[:, : how[1]]
+        elif how[0] == "every2":  # every other element: element stride 2
+            args[name] = t[:, ::2]
+        elif how[0] == "transposed":  # numel × rows storage, viewed as rows × numel
+            args[name] = t.t()
+    engine_kernels.update_slots_triton(**args, block=block)
+    return wide["latents"].numpy(), wide["history"].numpy()
+
+
+@pytest.fixture(scope="module")
+def interpreter_views(interpreter):
+    pool = interpreter.pool  # the module's one interpreter worker
+
+    def run(wide: dict, views: dict, block: int):
+        arrays = {k: (v.float() if k == "model_out" else v).numpy() for k, v in wide.items()}
+        dtype = str(wide["model_out"].dtype).removeprefix("torch.")
+        lat, hist = pool.submit(_worker_run_views, arrays, dtype, views, block).result(timeout=600)
+        return torch.from_numpy(lat), torch.from_numpy(hist)
+
+    return run
+
+
+def _widen(t: torch.Tensor, how: str, g: torch.Generator) -> torch.Tensor:
+    """Storage that `how` views back as `t` (the rest filled with poison)."""
+    rows, numel = t.shape
+    if how == "cols":
+        wide = torch.full((rows, numel + 5), 31337.0, dtype=t.dtype)
+        wide[:, :numel] = t
+    elif how == "every2":
+        wide = torch.full((rows, 2 * numel), 31337.0, dtype=t.dtype)
+        wide[:, ::2] = t
+    else:  # transposed
+        wide = t.t().contiguous()
+    return wide
+
+
+@pytest.mark.parametrize("model_how,slots_how", [("cols", None), ("every2", None), ("transposed", None),
+                                                  ("cols", "cols"), (None, "every2"), ("cols", "transposed")])
+def test_non_contiguous_views(interpreter_views, model_how, slots_how):
+    """A learned-sigma model's `out[:, :C]` (row stride > numel), element-strided and
+    transposed views, for the model output and noise, and for the slot storage updated in
+    place: the kernel reads and writes exactly the viewed elements, as the reference does."""
+    inputs, block = random_case(11 if model_how != "transposed" else 9)
+    g = torch.Generator().manual_seed(5)
+    ref = _clone(inputs)
+    engine_kernels.update_slots_reference(**ref)
+    wide, views = dict(inputs), {}
+    if model_how:
+        for name in ("model_out", "noise"):
+            if inputs[name].numel():
+                wide[name], views[name] = _widen(inputs[name], model_how, g), (model_how, inputs[name].shape[1])
+    if slots_how:
+        for name in ("latents", "history"):
+            wide[name], views[name] = _widen(inputs[name], slots_how, g), (slots_how, inputs[name].shape[1])
+    lat, hist = interpreter_views(wide, views, block)
+    for name, got in (("latents", lat), ("history", hist)):
+        how = views.get(name, (None,))[0]
+        if how == "cols":
+            viewed, rest = got[:, : inputs[name].shape[1]], got[:, inputs[name].shape[1]:]
+            assert (rest == 31337.0).all(), f"{name}: written outside the view"
+        elif how == "every2":
+            viewed, rest = got[:, ::2], got[:, 1::2]
+            assert (rest == 31337.0).all(), f"{name}: written outside the view"
+        elif how == "transposed":
+            viewed = got.t()
+        else:
+            viewed = got
+        _assert_same_bits(viewed, ref[name], name)
+
+
+def test_launcher_rejects_wrong_shapes_devices_and_dtypes():
+    inputs, _ = random_case(2)
+    bad = [
+        dict(model_out=inputs["model_out"][:, :-1]),  # rows of another size
+        dict(index=inputs["index"].long()),  # int64 index
+        dict(coefs=inputs["coefs"].double()),
+        dict(coefs=inputs["coefs"][:, :-1]),
+        dict(history=inputs["history"][:-1]),
+        dict(latents=inputs["latents"].double(), history=inputs["history"].double()),
+        dict(index=inputs["index"].to("meta")),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            engine_kernels.update_slots_triton(**{**_clone(inputs), **change})
+
+
+# ---- the compiled kernel for sm_90, read on this CPU ---------------------------------------------
+
+def _compile_for_sm90(fp_fusion: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = engine_kernels._update_slots_kernel
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
+    sig = {"out_ptr": "*fp32", "x_ptr": "*fp32", "h_ptr": "*fp32", "noise_ptr": "*fp32", "index_ptr": "*i32",
+           "coef_ptr": "*fp32", "numel": "i32", "out_stride": "i64", "x_stride": "i64", "h_stride": "i64",
+           "noise_stride": "i64", "NUM_COEFS": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn, sig, constexprs={"NUM_COEFS": NUM_COEFS, "BLOCK": 1024})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={**engine_kernels.LAUNCH_OPTIONS, "enable_fp_fusion": fp_fusion})
+    except Exception as exc:  # no LLVM / ptxas for this target in the installed triton
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.timeout(300)
+def test_sm90_ptx_has_ieee_division_no_fma_and_nan_aware_clamp():
+    """What the defects were found in, checked without a GPU: the kernel compiled for sm_90
+    with the launch's options divides with div.rn.f32 (no div.approx / div.full), has no
+    fma (every product rounded, as in torch), and tests for NaN before the clamp. The same
+    kernel compiled with fp fusion on does contain FMAs, so the check can see them."""
+    assert engine_kernels.LAUNCH_OPTIONS == {"enable_fp_fusion": False}
+    ptx = _compile_for_sm90(fp_fusion=False)
+    assert "div.rn.f32" in ptx
+    assert "div.approx" not in ptx and "div.full" not in ptx
+    assert "fma.rn.f32" not in ptx
+    assert "setp.nan.f32" in ptx or "setp.neu.f32" in ptx or "max.NaN.f32" in ptx
+    fused = _compile_for_sm90(fp_fusion=True)
+    assert "fma.rn.f32" in fused
+
+
+def test_installed_triton_takes_enable_fp_fusion_as_launch_option():
+    """`enable_fp_fusion` is a field of the NVIDIA backend's options in the installed triton
+    (a launch keyword goes to parse_options), so the launch really passes it."""
+    import dataclasses
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    assert "enable_fp_fusion" in {f.name for f in dataclasses.fields(CUDAOptions)}

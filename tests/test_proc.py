@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from proc_helpers import (
-    REPO, EngineProcess, RawPeer, client_process, env, fake_engine, read_line, real_engine, shm_leftovers,
+    REPO, RawPeer, start_engine, client_process, env, fake_engine, read_line, real_engine, shm_leftovers,
     socket_dir, wait_until,
 )
 
@@ -48,8 +48,8 @@ print("done", flush=True)
 
 def mixed_specs(client: int, count: int, max_steps: int, kinds=("latent", "latent", "uint8", "png")) -> list[dict]:
     rng = np.random.default_rng(client)
-    conditions = ["red circle", "green square", "blue triangle"]
-    return [dict(condition=conditions[(client + i) % 3], steps=int(rng.integers(2, max_steps + 1)),
+    prompts = ["a red circle", "a green square", "a blue triangle"]
+    return [dict(prompt=prompts[(client + i) % 3], steps=int(rng.integers(2, max_steps + 1)),
                  sampler=SAMPLERS[(client + i) % 4], guidance=[1.0, 2.5, 7.0][i % 3], seed=int(rng.integers(0, 1000)),
                  output=kinds[i % len(kinds)]) for i in range(count)]
 
@@ -107,7 +107,7 @@ def test_three_clients_real_core_match_the_reference(tmp_path):
         pytest.skip("engine.core (the real EngineCore) is not available")
     import torch
 
-    from reference import reference_latents, rel_l2, tiny_model
+    from engine.testing.reference import reference_latents, rel_l2, tiny_model
 
     model = tiny_model("epsilon", seed=0, with_vae=True)
     folder = tmp_path / "tiny"
@@ -121,7 +121,7 @@ def test_three_clients_real_core_match_the_reference(tmp_path):
         specs, results = run_three_clients(engine.address, directory, count=3, max_steps=8, kinds=("latent",))
     for client_specs, arrays in zip(specs, results):
         for i, spec in enumerate(client_specs):
-            alone = reference_latents(model, spec["sampler"], spec["condition"], spec["steps"], spec["guidance"],
+            alone = reference_latents(model, spec["sampler"], spec["prompt"], spec["steps"], spec["guidance"],
                                       spec["seed"])
             assert rel_l2(torch.from_numpy(np.array(arrays[str(i)])), alone) <= 1e-5, spec
 
@@ -130,8 +130,8 @@ def test_three_clients_real_core_match_the_reference(tmp_path):
 def test_cancel_while_queued_mid_denoise_and_after_the_last_step():
     with fake_engine("--slots", "1", "--step-delay", "0.01", "--decode-delay", "0.5") as engine, \
             Client(engine.address) as c:
-        long = c.submit(GenerateParams("red circle", steps=1000))
-        queued = c.submit(GenerateParams("red circle", steps=5))
+        long = c.submit(GenerateParams("a red circle", steps=1000))
+        queued = c.submit(GenerateParams("a red circle", steps=5))
         assert queued.accepted(5) is not None
         queued.cancel()
         r = queued.result(5)
@@ -144,21 +144,21 @@ def test_cancel_while_queued_mid_denoise_and_after_the_last_step():
         r = long.result(5)
         assert isinstance(r, Canceled) and 10 <= r.timings.evals < 2000
 
-        decoding = c.submit(GenerateParams("red circle", steps=3, output="uint8"))  # decode takes 0.5 s
+        decoding = c.submit(GenerateParams("a red circle", steps=3, output="uint8"))  # decode takes 0.5 s
         for p in decoding.progress(timeout=5):
             if p.step == p.total:
                 decoding.cancel()
         r = decoding.result(5)
         assert isinstance(r, Canceled), r  # the decode output is dropped, never delivered
 
-        done = c.submit(GenerateParams("red circle", steps=2, output="latent"))
+        done = c.submit(GenerateParams("a red circle", steps=2, output="latent"))
         assert isinstance(done.result(5), Completed)
         done.cancel()  # after completion: nothing happens
         c.cancel("no-such-request")
         assert isinstance(done.result(0), Completed)
 
         # Cancels racing with completion: each request ends exactly once, nothing hangs.
-        handles = [c.submit(GenerateParams("blue cross", steps=1 + i % 3, output="latent")) for i in range(30)]
+        handles = [c.submit(GenerateParams("a blue cross", steps=1 + i % 3, output="latent")) for i in range(30)]
         for i, h in enumerate(handles):
             if i % 2:
                 h.cancel()
@@ -174,9 +174,9 @@ def test_asyncio_task_cancel_cancels_the_request():
     async def scenario(address):
         async with AsyncClient(address) as c:
             steps = []
-            r = await c.generate(GenerateParams("green cross", steps=4, output="latent"), on_progress=steps.append)
+            r = await c.generate(GenerateParams("a green cross", steps=4, output="latent"), on_progress=steps.append)
             assert isinstance(r, Completed) and [p.step for p in steps] == [1, 2, 3, 4]
-            task = asyncio.create_task(c.generate(GenerateParams("green cross", steps=1000)))
+            task = asyncio.create_task(c.generate(GenerateParams("a green cross", steps=1000)))
             await asyncio.sleep(0.3)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -197,7 +197,7 @@ def test_killed_client_requests_are_canceled_and_slots_freed():
     import sys, time
     from frontend import Client, GenerateParams
     c = Client(sys.argv[1]).__enter__()
-    handles = [c.submit(GenerateParams("red circle", steps=1000)) for _ in range(6)]
+    handles = [c.submit(GenerateParams("a red circle", steps=1000)) for _ in range(6)]
     for h in handles:
         h.accepted(10)
     print("ready", flush=True)
@@ -214,7 +214,7 @@ def test_killed_client_requests_are_canceled_and_slots_freed():
                                message="dead client's requests canceled")
             assert time.monotonic() - started < 2.0  # its connection closed: no timeout needed
         assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0 and stats["clients"] == 1
-        assert isinstance(observer.submit(GenerateParams("red circle", steps=3)).result(5), Completed)
+        assert isinstance(observer.submit(GenerateParams("a red circle", steps=3)).result(5), Completed)
 
 
 @pytest.mark.timeout(60)
@@ -223,7 +223,7 @@ def test_silent_client_is_written_off_after_the_peer_timeout():
     import sys
     from frontend import Client, GenerateParams
     with Client(sys.argv[1]) as c:
-        h = c.submit(GenerateParams("red circle", steps=1000))
+        h = c.submit(GenerateParams("a red circle", steps=1000))
         h.accepted(10)
         print("ready", flush=True)
         try:
@@ -248,7 +248,7 @@ def test_killed_engine_fails_every_request_promptly():
         busy, idle = Client(engine.address), Client(engine.address)
         busy.connect(), idle.connect()
         try:
-            handles = [busy.submit(GenerateParams("red circle", steps=1000)) for _ in range(3)]
+            handles = [busy.submit(GenerateParams("a red circle", steps=1000)) for _ in range(3)]
             next(iter(handles[0].progress(timeout=5)))
             os.kill(engine.pid, signal.SIGKILL)
             started = time.monotonic()
@@ -259,7 +259,7 @@ def test_killed_engine_fails_every_request_promptly():
             with pytest.raises(EngineDeadError):
                 list(handles[1].progress())
             with pytest.raises(EngineDeadError):
-                busy.submit(GenerateParams("red circle"))
+                busy.submit(GenerateParams("a red circle"))
             wait_until(lambda: not idle.alive, 2, message="idle client notices")
         finally:
             busy.close(), idle.close()
@@ -268,7 +268,7 @@ def test_killed_engine_fails_every_request_promptly():
 @pytest.mark.timeout(60)
 def test_hung_engine_is_detected_by_heartbeat():
     with fake_engine("--step-delay", "0.01", "--peer-timeout", "1.0") as engine, Client(engine.address) as c:
-        h = c.submit(GenerateParams("red circle", steps=1000))
+        h = c.submit(GenerateParams("a red circle", steps=1000))
         h.accepted(5)
         os.kill(engine.pid, signal.SIGSTOP)
         try:
@@ -282,12 +282,13 @@ def test_hung_engine_is_detected_by_heartbeat():
 
 @pytest.mark.timeout(60)
 def test_sigterm_shuts_down_cleanly():
-    with fake_engine("--step-delay", "0.01") as engine, Client(engine.address) as c:
-        h = c.submit(GenerateParams("red circle", steps=1000))
+    """SIGTERM drains (tests/test_faults.py has the rest): past --drain-timeout what is
+    still in flight is canceled, then the engine exits 0 and leaves nothing behind."""
+    with fake_engine("--step-delay", "0.01", "--drain-timeout", "0.5") as engine, Client(engine.address) as c:
+        h = c.submit(GenerateParams("a red circle", steps=1000))
         h.accepted(5)
         engine.popen.send_signal(signal.SIGTERM)
-        with pytest.raises(EngineDeadError, match="SIGTERM"):
-            h.result(timeout=5)
+        assert isinstance(h.result(timeout=5), Canceled)
         assert engine.popen.wait(10) == 0
         assert not os.path.exists(engine.address[len("ipc://"):])
         assert not shm_leftovers(engine.pid)
@@ -311,11 +312,11 @@ def test_slow_client_holds_only_its_own_budget():
         try:
             ids = [f"slow{i}" for i in range(30)]
             for rid in ids:
-                slow.send(Submit(rid, GenerateParams("red circle", steps=5, output="uint8")))
+                slow.send(Submit(rid, GenerateParams("a red circle", steps=5, output="uint8")))
             with Client(engine.address) as fast:
                 started = time.monotonic()
                 for _ in range(2):
-                    handles = [fast.submit(GenerateParams("blue square", steps=5, output="uint8")) for _ in range(10)]
+                    handles = [fast.submit(GenerateParams("a blue square", steps=5, output="uint8")) for _ in range(10)]
                     results = [h.result(timeout=20) for h in handles]
                     assert all(isinstance(r, Completed) and r.output.shape == (size, size, 3) for r in results)
                     slow.heartbeat()
@@ -338,7 +339,7 @@ def test_slow_client_holds_only_its_own_budget():
             assert all(len(m.frames[0]) == image_bytes for m in completed)
             for m in completed:
                 slow.send(Delivered(m.request_id))
-            slow.send(Submit("again", GenerateParams("red circle", steps=2, output="uint8")))
+            slow.send(Submit("again", GenerateParams("a red circle", steps=2, output="uint8")))
             while not isinstance(msg := slow.recv(10), (Accepted, Rejected)):
                 pass
             assert isinstance(msg, Accepted), msg
@@ -351,14 +352,14 @@ def test_closing_a_client_cancels_its_requests_and_queue_limits_reject():
     with fake_engine("--slots", "1", "--max-queue", "2", "--step-delay", "0.01") as engine, \
             Client(engine.address) as observer:
         with Client(engine.address) as c:
-            assert c.submit(GenerateParams("red circle", steps=1000)).accepted(5)
+            assert c.submit(GenerateParams("a red circle", steps=1000)).accepted(5)
             wait_until(lambda: observer.stats()["slots_busy"] == 1, 5)
             for _ in range(2):  # fill the queue
-                assert c.submit(GenerateParams("red circle", steps=1000)).accepted(5)
-            full = c.submit(GenerateParams("red circle", steps=10)).result(5)
+                assert c.submit(GenerateParams("a red circle", steps=1000)).accepted(5)
+            full = c.submit(GenerateParams("a red circle", steps=10)).result(5)
             assert isinstance(full, Rejected) and full.retry_after_s > 0 and "queue" in full.reason
         wait_until(lambda: observer.stats()["requests_in_flight"] == 0, 2, message="closed client's requests canceled")
-        assert isinstance(observer.generate(GenerateParams("red circle", steps=2), timeout=5), Completed)
+        assert isinstance(observer.generate(GenerateParams("a red circle", steps=2), timeout=5), Completed)
 
 
 @pytest.mark.timeout(60)
@@ -366,10 +367,10 @@ def test_failed_requests_and_metrics():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with fake_engine("--fail-condition", "red cross", "--metrics-port", str(port)) as engine, \
+    with fake_engine("--fail-prompt", "a red cross", "--metrics-port", str(port)) as engine, \
             Client(engine.address) as c:
-        assert isinstance(c.generate(GenerateParams("red cross"), timeout=5), Failed)
-        assert isinstance(c.generate(GenerateParams("red circle", steps=3), timeout=5), Completed)
+        assert isinstance(c.generate(GenerateParams("a red cross"), timeout=5), Failed)
+        assert isinstance(c.generate(GenerateParams("a red circle", steps=3), timeout=5), Completed)
         time.sleep(0.6)  # gauges refresh twice a second
         c.stats()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -385,11 +386,11 @@ def test_tcp_loopback_and_remote_bind_refused():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with socket_dir() as directory:
-        engine = EngineProcess(f"tcp://127.0.0.1:{port}", directory / "engine.log", [])
+        engine = start_engine(f"tcp://127.0.0.1:{port}", directory / "engine.log", [])
         try:
             engine.wait_ready(60)
             with Client(engine.address) as c:
-                assert isinstance(c.generate(GenerateParams("red circle", steps=2), timeout=5), Completed)
+                assert isinstance(c.generate(GenerateParams("a red circle", steps=2), timeout=5), Completed)
         finally:
             assert engine.stop() == 0
     refused = subprocess.run([sys.executable, "-m", "engine", "serve", "--address", "tcp://0.0.0.0:1"], cwd=REPO,
@@ -401,7 +402,7 @@ def test_tcp_loopback_and_remote_bind_refused():
 def test_cli_generate_writes_png_and_ctrl_c_cancels(tmp_path):
     with fake_engine("--step-delay", "0.01") as engine, Client(engine.address) as observer:
         out = tmp_path / "out.png"
-        cli = [sys.executable, "-m", "frontend", "generate", "--condition", "red circle", "--steps", "20",
+        cli = [sys.executable, "-m", "frontend", "generate", "--prompt", "a red circle", "--steps", "20",
                "--sampler", "dpmpp_2m", "--guidance", "3", "--seed", "7", "-o", str(out), "--address", engine.address]
         done = subprocess.run(cli, cwd=REPO, env=env(), capture_output=True, timeout=30)
         assert done.returncode == 0, done.stderr
@@ -450,25 +451,30 @@ def test_backlog_coalesces_progress_and_writes_off_a_client_too_far_behind():
 
     import zmq
 
-    from engine.proc import ProcConfig, _IOThread, _Peer
-    from engine.protocol import Progress, Welcome
-    from engine.transport import Waker
+    from engine.serve.io_thread import IOThread, ProcConfig, _Peer
+    from engine.protocol import Progress, ProgressBatch, Welcome, engine_decoder
+    from engine.serve.transport import Waker
 
     ctx = zmq.Context()
     router, waker = ctx.socket(zmq.ROUTER), Waker()
     try:
         inputs = queue.SimpleQueue()
-        io = _IOThread(router, ProcConfig("inproc://x", max_backlog_messages=3), Welcome(1, 1, 0.5, 3.0, 1),
+        io = IOThread(router, ProcConfig("inproc://x", max_backlog_messages=3), Welcome(1, 1, 0.5, 3.0, 1),
                        inputs, queue.SimpleQueue(), waker)
         peer = io.peers[b"c"] = _Peer(last_seen=time.monotonic())
         for step in range(1, 6):  # a reader that is behind sees only the latest step
             io._enqueue(b"c", peer, Progress("r1", step, 5), [b"c", f"p{step}".encode()])
         io._enqueue(b"c", peer, Canceled("r1"), [b"c", b"final"])
-        assert [entry[1][1] for entry in peer.backlog] == [b"p5", b"final"] and io.backlog_messages == 2
-        io._enqueue(b"c", peer, Progress("r2", 1, 5), [b"c", b"q1"])
+        assert len(peer.backlog) == 2 and io.backlog_messages == 2 and io.backlog_bytes == len(b"final")
+        # one pending progress entry per client: later steps of any request merge into it
+        io._enqueue(b"c", peer, ProgressBatch([("r2", 1, 5), ("r3", 2, 5)]), [b"c", b"batch"])
+        assert len(peer.backlog) == 2
+        merged = engine_decoder().decode(io._progress_frames(b"c", peer)[1])
+        assert merged == ProgressBatch([("r1", 5, 5), ("r2", 1, 5), ("r3", 2, 5)])
+        io._enqueue(b"c", peer, Canceled("r2"), [b"c", b"final2"])
         assert b"c" in io.peers
-        io._enqueue(b"c", peer, Canceled("r2"), [b"c", b"final2"])  # the fourth message: too far behind
-        assert b"c" not in io.peers and io.backlog_messages == 0 and b"c" in io.gone
+        io._enqueue(b"c", peer, Canceled("r3"), [b"c", b"final3"])  # the fourth message: too far behind
+        assert b"c" not in io.peers and io.backlog_messages == 0 and io.backlog_bytes == 0 and b"c" in io.gone
         assert inputs.get_nowait()[:2] == ("gone", b"c")
     finally:
         router.close(linger=0)

@@ -14,25 +14,26 @@ from hypothesis import strategies as st
 
 from proc_helpers import RawPeer, encode_raw, fake_engine, socket_dir
 
-from engine import transport
+from engine.serve import transport
 from engine.protocol import (
     PROTOCOL_VERSION, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed, GenerateParams,
-    Goodbye, Heartbeat, Hello, Progress, Rejected, Stats, StatsReply, Submit, Timings, Welcome,
+    Goodbye, Heartbeat, Hello, Progress, ProgressBatch, Rejected, Stats, StatsReply, Submit, Timings, Welcome,
     client_decoder, describe_decode_error, encoder, engine_decoder, output_nbytes,
 )
 
 TIMINGS = Timings(queue_s=0.5, denoise_s=1.25, decode_wait_s=0.0625, decode_s=0.125, total_s=2.0, evals=40,
                   padded_evals=3)
 CLIENT_MESSAGES = [
-    Hello(PROTOCOL_VERSION, 1234, "test"),
-    Submit("r1", GenerateParams("red circle", steps=7, sampler="ddim", guidance=1.5, seed=3, output="latent",
+    Hello(PROTOCOL_VERSION, 1234, "test"), Hello(PROTOCOL_VERSION, 1, "", "token-with-ünïcode"),
+    Submit("r1", GenerateParams("a red circle", steps=7, sampler="ddim", guidance=1.5, seed=3, output="latent",
                                 height=64, width=32)),
-    Submit("r2", GenerateParams("blue cross"), progress=False),
+    Submit("r2", GenerateParams("a blue cross"), progress=False),
     Cancel("r1"), Delivered("r1"), Stats(9), Goodbye(), Heartbeat(),
 ]
 ENGINE_MESSAGES = [
-    Welcome(PROTOCOL_VERSION, 42, 0.5, 3.0, 1 << 20, "shapes", ["red circle", ""], 32),
-    Accepted("r1", 2), Progress("r1", 3, 20), Completed("r1", TIMINGS, "uint8", (32, 32, 3), "uint8"),
+    Welcome(PROTOCOL_VERSION, 42, 0.5, 3.0, 1 << 20, "shapes", ["a red circle", ""], 32),
+    Welcome(PROTOCOL_VERSION, 42, 0.5, 3.0, 1 << 20, max_message_bytes=1 << 16),
+    Accepted("r1", 2), Progress("r1", 3, 20), ProgressBatch([("r1", 3, 20), ("r2", 1, 4)]), Completed("r1", TIMINGS, "uint8", (32, 32, 3), "uint8"),
     Canceled("r1", TIMINGS), Canceled("r2"), Rejected("r1", "bad", "steps", 1.5), Rejected("r1", "bad"),
     Failed("r1", "boom"), EngineDead("shutdown"), StatsReply(9, {"slots": 16, "ratio": 0.5, "name": "x"}),
     Heartbeat(),
@@ -52,9 +53,21 @@ def test_engine_messages_round_trip(msg):
 
 
 @pytest.mark.timeout(10)
+def test_request_id_is_read_from_the_head_of_an_oversized_frame():
+    from engine.serve.frames import peek_request_id
+
+    huge = encoder().encode(Submit("r-big", GenerateParams("a red circle " + "x" * (1 << 20))))
+    assert peek_request_id(huge) == "r-big"
+    assert peek_request_id(encoder().encode(Cancel("c" * 128))) == "c" * 128
+    for body in (b"", b"\xff" * 8, encoder().encode(Heartbeat()), encoder().encode(Stats(3)),
+                 encode_raw(["submit", 5]), encode_raw(["submit", ""]), huge[:6], encode_raw({"a": 1})):
+        assert peek_request_id(body) == ""
+
+
+@pytest.mark.timeout(10)
 def test_bodies_are_tagged_arrays_and_outputs_stay_out_of_them():
-    body = encoder().encode(Submit("r1", GenerateParams("red circle", steps=4)))
-    assert msgspec.msgpack.decode(body) == ["submit", "r1", {"condition": "red circle", "steps": 4}, True]
+    body = encoder().encode(Submit("r1", GenerateParams("a red circle", steps=4)))
+    assert msgspec.msgpack.decode(body) == ["submit", "r1", {"prompt": "a red circle", "steps": 4}, True, 0]
     done = Completed("r1", TIMINGS, "latent", (4, 8, 8), "float32")
     done.output = np.full((4, 8, 8), 7.0, np.float32)  # attached client-side, never encoded
     assert len(encoder().encode(done)) < 200
@@ -71,17 +84,17 @@ def test_directional_decoders_refuse_the_other_side():
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("raw, request_id, field", [
-    (["submit", "r1", {"condition": "x", "steps": "20"}], "r1", "steps"),
-    (["submit", "r1", {"condition": "x", "steps": True}], "r1", "steps"),
-    (["submit", "r1", {"condition": "x", "guidance": "3"}], "r1", "guidance"),
-    (["submit", "r1", {"condition": "x", "colour": "red"}], "r1", "colour"),
-    (["submit", "r1", {"steps": 3}], "r1", "condition"),
-    (["submit", "r1", "red circle"], "r1", "params"),
+    (["submit", "r1", {"prompt": "x", "steps": "20"}], "r1", "steps"),
+    (["submit", "r1", {"prompt": "x", "steps": True}], "r1", "steps"),
+    (["submit", "r1", {"prompt": "x", "guidance": "3"}], "r1", "guidance"),
+    (["submit", "r1", {"prompt": "x", "colour": "red"}], "r1", "colour"),
+    (["submit", "r1", {"steps": 3}], "r1", "prompt"),
+    (["submit", "r1", "a red circle"], "r1", "params"),
     (["submit", "r1"], "r1", "params"),
-    (["submit", 7, {"condition": "x"}], None, "request_id"),
-    (["submit", "", {"condition": "x"}], None, "request_id"),
-    (["submit", "x" * 200, {"condition": "x"}], None, "request_id"),
-    (["submit", "r1", {"condition": "x"}, "yes"], "r1", "progress"),
+    (["submit", 7, {"prompt": "x"}], None, "request_id"),
+    (["submit", "", {"prompt": "x"}], None, "request_id"),
+    (["submit", "x" * 200, {"prompt": "x"}], None, "request_id"),
+    (["submit", "r1", {"prompt": "x"}, "yes"], "r1", "progress"),
     (["cancel"], None, "request_id"),
     (["hello", "one"], None, "version"),
     (["launch", "r1"], None, "type"),
@@ -105,7 +118,7 @@ def test_undecodable_bytes_name_nothing():
 
 @pytest.mark.timeout(10)
 def test_output_reservation_bounds_real_outputs():
-    from engine.decode_stage import encode_png
+    from engine.decode.stage import encode_png
 
     rng = np.random.default_rng(0)
     for size in (8, 32, 100):
@@ -197,21 +210,21 @@ def submit_raw(peer: RawPeer, raw) -> Rejected | Accepted:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("params, field", [
-    ({"condition": "red circle", "steps": "20"}, "steps"),
-    ({"condition": "red circle", "stepz": 20}, "stepz"),
-    ({"steps": 20}, "condition"),
-    ({"condition": "purple blob"}, "condition"),
-    ({"condition": "red circle", "steps": 0}, "steps"),
-    ({"condition": "red circle", "steps": 10**9}, "steps"),
-    ({"condition": "red circle", "steps": 2**70}, None),  # beyond msgpack ints: malformed
-    ({"condition": "red circle", "sampler": "heun"}, "sampler"),
-    ({"condition": "red circle", "guidance": math.nan}, "guidance"),
-    ({"condition": "red circle", "guidance": math.inf}, "guidance"),
-    ({"condition": "red circle", "guidance": -1.0}, "guidance"),
-    ({"condition": "red circle", "height": 33}, "height"),
-    ({"condition": "red circle", "width": 1 << 20}, "width"),
-    ({"condition": "red circle", "output": "jpeg"}, "output"),
-    ({"condition": "red circle", "seed": -1}, "seed"),
+    ({"prompt": "a red circle", "steps": "20"}, "steps"),
+    ({"prompt": "a red circle", "stepz": 20}, "stepz"),
+    ({"steps": 20}, "prompt"),
+    ({"prompt": "purple blob"}, "prompt"),
+    ({"prompt": "a red circle", "steps": 0}, "steps"),
+    ({"prompt": "a red circle", "steps": 10**9}, "steps"),
+    ({"prompt": "a red circle", "steps": 2**70}, None),  # beyond msgpack ints: malformed
+    ({"prompt": "a red circle", "sampler": "heun"}, "sampler"),
+    ({"prompt": "a red circle", "guidance": math.nan}, "guidance"),
+    ({"prompt": "a red circle", "guidance": math.inf}, "guidance"),
+    ({"prompt": "a red circle", "guidance": -1.0}, "guidance"),
+    ({"prompt": "a red circle", "height": 33}, "height"),
+    ({"prompt": "a red circle", "width": 1 << 20}, "width"),
+    ({"prompt": "a red circle", "output": "jpeg"}, "output"),
+    ({"prompt": "a red circle", "seed": -1}, "seed"),
 ])
 def test_bad_params_are_rejected_naming_the_field(peer, params, field):
     if field is None:
@@ -243,14 +256,14 @@ def test_malformed_frames_are_rejected(engine, peer):
     reply = peer.recv(5)
     assert isinstance(reply, Rejected) and "frame" in reply.reason
     # Duplicate ids are refused while the first is unfinished.
-    first = submit_raw(peer, encode_raw(["submit", "dup", {"condition": "red circle", "steps": 1000}]))
-    second = submit_raw(peer, encode_raw(["submit", "dup", {"condition": "red circle"}]))
+    first = submit_raw(peer, encode_raw(["submit", "dup", {"prompt": "a red circle", "steps": 1000}]))
+    second = submit_raw(peer, encode_raw(["submit", "dup", {"prompt": "a red circle"}]))
     assert isinstance(first, Accepted)
     assert isinstance(second, Rejected) and second.field == "request_id"
     peer.send(Cancel("dup"))
     seen, _ = roundtrip(peer, 1)
     # Still serving.
-    assert isinstance(submit_raw(peer, encode_raw(["submit", "ok", {"condition": "red circle", "steps": 2}])),
+    assert isinstance(submit_raw(peer, encode_raw(["submit", "ok", {"prompt": "a red circle", "steps": 2}])),
                       Accepted)
 
 
@@ -258,7 +271,7 @@ def test_malformed_frames_are_rejected(engine, peer):
 def test_handshake_is_required_and_versioned(engine):
     stranger = RawPeer(engine.address, hello=False)
     try:
-        stranger.send(Submit("r1", GenerateParams("red circle")))
+        stranger.send(Submit("r1", GenerateParams("a red circle")))
         reply = stranger.recv(5)
         assert isinstance(reply, Rejected) and reply.field == "version" and reply.request_id == "r1"
         stranger.send(Hello(PROTOCOL_VERSION + 1))
@@ -270,7 +283,7 @@ def test_handshake_is_required_and_versioned(engine):
         stranger.close()
 
 
-VALID = ["submit", "fuzz", {"condition": "red circle", "steps": 3, "sampler": "euler", "guidance": 2.0,
+VALID = ["submit", "fuzz", {"prompt": "a red circle", "steps": 3, "sampler": "euler", "guidance": 2.0,
                             "seed": 1, "output": "uint8"}, True]
 msgpack_ints = st.integers(-(2**63), 2**64 - 1)
 values = st.one_of(
@@ -320,7 +333,7 @@ def test_fuzzed_frames_never_hurt_the_engine(peer, body):
             assert msg.reason
     assert stats["pid"]
     # A valid request is still served after whatever came before.
-    peer.send_frames([encode_raw(["submit", "probe", {"condition": "blue cross", "steps": 2, "output": "latent"}])])
+    peer.send_frames([encode_raw(["submit", "probe", {"prompt": "a blue cross", "steps": 2, "output": "latent"}])])
     while not isinstance(msg := peer.recv(10), (Completed, Rejected, Failed)) or msg.request_id != "probe":
         pass
     assert isinstance(msg, Completed), msg

@@ -65,11 +65,11 @@ def _require_browser() -> None:
 
 
 class _Server:
-    """``python -m engine.queue_instrument --serve`` in a subprocess; always reaped."""
+    """``python -m engine.instrument --serve`` in a subprocess; always reaped."""
 
     def __init__(self, run_file: Path):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.queue_instrument", "--serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "engine.instrument", "--serve", "--host", "127.0.0.1",
              "--port", "0", "--from-run", str(run_file)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import random
-import sys
 
 import msgspec
 import numpy as np
@@ -38,20 +36,19 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reference import SCHEDULER_CONFIGS, TEST_CONDITIONS, reference_latents, rel_l2, tiny_model  # noqa: E402
+from engine.testing.reference import SCHEDULER_CONFIGS, TEST_CONDITIONS, reference_latents, rel_l2, tiny_model  # noqa: E402
 
 from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected  # noqa: E402
-from engine.kernels import update_slots_reference  # noqa: E402
-from engine.model import LoadedModel  # noqa: E402
+from engine.core.kernels import update_slots_reference  # noqa: E402
+from engine.models.loading import ClassConditionalModel  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
-from engine.solvers import (  # noqa: E402
+from engine.core.solvers import (  # noqa: E402
     CLIP, HC, KEEP_HIST, P, Q, SAMPLERS, SUPPORTED, Trajectory, UnsupportedSampler, build_schedule, make_scheduler,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # diffusers + numpy 2
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]  # diffusers + numpy 2
 
 TOL = 1e-5
 PREDICTIONS = ("epsilon", "v_prediction", "sample", "flow")
@@ -68,14 +65,14 @@ class Case:
     steps: int
     guidance: float
     seed: int
-    condition: str
+    prompt: str
 
     @property
     def id(self) -> str:
         return f"{self.sampler}-{self.prediction}-{self.steps}-g{self.guidance:g}"
 
     def params(self) -> GenerateParams:
-        return GenerateParams(condition=self.condition, steps=self.steps, sampler=self.sampler,
+        return GenerateParams(prompt=self.prompt, steps=self.steps, sampler=self.sampler,
                               guidance=self.guidance, seed=self.seed, output="latent")
 
 
@@ -85,7 +82,7 @@ def _cases(pairs, steps, guidances) -> list[Case]:
         for n in steps:
             for g in guidances:
                 k = len(out)
-                out.append(Case(sampler, pred, n, g, seed=1000 + 17 * k, condition=TEST_CONDITIONS[k % 3]))
+                out.append(Case(sampler, pred, n, g, seed=1000 + 17 * k, prompt=TEST_CONDITIONS[k % 3]))
     return out
 
 
@@ -93,23 +90,15 @@ CASES = _cases(PAIRS, STEPS, GUIDANCES)
 CASE_BY_KEY = {(c.sampler, c.prediction, c.steps, c.guidance): c for c in CASES}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The machine is shared and small: one intra-op thread is faster and steadier."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- the denoiser ----------------------------------------------------------------------
 
-class BatchInvariant(LoadedModel):
+class BatchInvariant(ClassConditionalModel):
     """The tiny model, its UNet run in float64, outputs rounded to float32: the float32
     output of a row no longer depends on its neighbours in the call (see module docstring)."""
 
-    def denoise(self, x, t, class_labels):
-        return self.unet(x.double(), t, class_labels=class_labels).sample.float()
+    def denoise(self, x, t, rows):
+        labels = torch.stack([c.hidden for c in rows])
+        return self.unet(x.double(), t, class_labels=labels).sample.float()
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,13 +111,13 @@ def invariant_model(prediction: str, **overrides) -> BatchInvariant:
 
 
 @functools.lru_cache(maxsize=None)
-def float32_model(prediction: str) -> LoadedModel:
+def float32_model(prediction: str) -> ClassConditionalModel:
     return tiny_model(prediction)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(case: Case) -> torch.Tensor:
-    return reference_latents(invariant_model(case.prediction), case.sampler, case.condition, case.steps,
+    return reference_latents(invariant_model(case.prediction), case.sampler, case.prompt, case.steps,
                              case.guidance, case.seed)
 
 
@@ -137,12 +126,13 @@ def test_denoiser_is_batch_invariant():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 4, 8, 8, generator=g)
     t = torch.linspace(1, 999, 12)
-    c = torch.arange(12) % len(TEST_CONDITIONS)
+    prompts = model.encode(TEST_CONDITIONS)
+    c = [prompts[i % len(TEST_CONDITIONS)] for i in range(12)]
     with torch.no_grad():
         full = model.denoise(x, t, c)
         for rows in ([0], [3, 1], [5, 0, 11], list(range(7))):
             sel = torch.tensor(rows)
-            assert torch.equal(model.denoise(x[sel], t[sel], c[sel]), full[sel])
+            assert torch.equal(model.denoise(x[sel], t[sel], [c[i] for i in rows]), full[sel])
 
 
 # ---- the batch runner: an EngineCore with late joiners and canceled neighbours ---------------
@@ -174,7 +164,7 @@ class SharedRun:
     victims: set  # ids submitted to be canceled mid-trajectory
 
 
-def run_shared(model: LoadedModel, cases: list[Case], layout: str = "compact", slots: int = 6,
+def run_shared(model: ClassConditionalModel, cases: list[Case], layout: str = "compact", slots: int = 6,
                victims: int = 3, shuffle_seed: int = 0) -> SharedRun:
     """Submit `cases` a few at a time into one engine with fewer slots than requests, so
     trajectories join late at every step boundary; some victims (stochastic and multistep)
@@ -185,7 +175,7 @@ def run_shared(model: LoadedModel, cases: list[Case], layout: str = "compact", s
     rng = random.Random(shuffle_seed)
     pending = list(cases)
     rng.shuffle(pending)
-    victim_params = [GenerateParams(condition=TEST_CONDITIONS[k % 3], steps=25, guidance=3.0, seed=7 + k,
+    victim_params = [GenerateParams(prompt=TEST_CONDITIONS[k % 3], steps=25, guidance=3.0, seed=7 + k,
                                     sampler=("euler_ancestral", "dpmpp_2m", "ddim")[k % 3], output="latent")
                      for k in range(victims)]
     victim_params = [p for p in victim_params if model.prediction_type in SUPPORTED[p.sampler]]
@@ -266,7 +256,7 @@ def test_other_layouts_match_diffusers(layout, prediction):
 # ---- the unit level: one trajectory through update_slots_reference -------------------------
 
 @torch.no_grad()
-def run_unit(model: LoadedModel, case: Case, clip_override: float | None = None, stats: dict | None = None):
+def run_unit(model: ClassConditionalModel, case: Case, clip_override: float | None = None, stats: dict | None = None):
     """One request's trajectory from its Schedule, one update_slots_reference call per step."""
     schedule = build_schedule(case.sampler, model.scheduler_config, case.steps, case.guidance)
     if clip_override is not None:
@@ -276,11 +266,12 @@ def run_unit(model: LoadedModel, case: Case, clip_override: float | None = None,
     x = traj.initial_latents().reshape(1, -1)
     h = torch.zeros_like(x)
     two = case.guidance != 1.0
-    classes = torch.tensor([model.condition_index(case.condition), model.null_index][: 1 + two])
+    conditioning = model.encode([case.prompt, ""][: 1 + two])
     for i in range(schedule.steps):
-        rows = len(classes)
+        rows = len(conditioning)
         xin = (x / torch.tensor(schedule.input_divisor[i])).expand(rows, -1).reshape(rows, *shape)
-        out = model.denoise(xin, torch.full((rows,), float(schedule.timesteps[i])), classes).reshape(rows, -1)
+        out = model.denoise(xin, torch.full((rows,), float(schedule.timesteps[i])), conditioning).reshape(rows, -1)
+        traj.step = i
         noise = traj.step_noise().reshape(1, -1) if schedule.stochastic else torch.empty(0)
         index = torch.tensor([[0, 0, 1 if two else -1, 0 if schedule.stochastic else -1]], dtype=torch.int32)
         coefs = torch.from_numpy(schedule.coefs[i: i + 1].copy())
@@ -292,7 +283,7 @@ def run_unit(model: LoadedModel, case: Case, clip_override: float | None = None,
     return x.reshape(shape)
 
 
-UNIT_CASES = [c for c in CASES if c.steps in (1, 2, 7)]
+UNIT_CASES = [c for c in CASES if c.steps in (1, 2, 7) and c.sampler != "default"]  # the kernel path alone
 
 
 @pytest.mark.parametrize("case", UNIT_CASES, ids=lambda c: c.id)
@@ -328,7 +319,7 @@ def test_alone_float32_model(pair):
         result = None
         while result is None:
             result = next((o.latents for o in core.step() if isinstance(o, DenoiseFinished)), None)
-        ref = reference_latents(model, sampler, case.condition, steps, g, case.seed)
+        ref = reference_latents(model, sampler, case.prompt, steps, g, case.seed)
         err = rel_l2(result, ref)
         assert err <= TOL, f"{case.id}: relative L2 {err:.3g}"
 
@@ -341,15 +332,37 @@ def test_trajectory_draws_only_from_its_own_seed():
     a, b = Trajectory(sched, 11, shape), Trajectory(sched, 12, shape)
     draws_a = [a.initial_latents()]
     b.initial_latents()
-    for _ in range(5):  # interleaved with a neighbour's draws
+    for step in range(5):  # interleaved with a neighbour's draws, some repeated (a re-run step)
+        a.step = step
         draws_a.append(a.step_noise())
+        b.step = step
         b.step_noise()
         b.step_noise()
     g = torch.Generator().manual_seed(11)
     expected = [torch.randn((1, *shape), generator=g) * sched.init_noise_sigma]
     expected += [torch.randn((1, *shape), generator=g) for _ in range(5)]
     for got, want in zip(draws_a, expected):
-        assert torch.equal(got, want)
+        assert torch.equal(got.reshape(want.shape), want)
+
+
+def test_noise_blocks_equal_step_by_step_draws():
+    """Noise drawn ahead in blocks (NOISE_BLOCK steps a call) equals one draw per step, bit
+    for bit, across block boundaries; a size that is not a multiple of 16 draws per step."""
+    from engine.core.solvers import NOISE_BLOCK
+
+    steps = 2 * NOISE_BLOCK + 3
+    sched = build_schedule("euler_ancestral", SCHEDULER_CONFIGS["epsilon"], steps, 3.0)
+    for shape in ((4, 8, 8), (4, 5, 5)):
+        t = Trajectory(sched, 5, shape)
+        t.initial_latents()
+        got = []
+        for step in range(steps):
+            t.step = step
+            got.append(t.step_noise().reshape(1, *shape))
+        g = torch.Generator().manual_seed(5)
+        torch.randn((1, *shape), generator=g)
+        for k, row in enumerate(got):
+            assert torch.equal(row, torch.randn((1, *shape), generator=g)), (shape, k)
 
 
 def _run_requests(model, requests: list[tuple[str, GenerateParams]], cancel: dict | None = None,
@@ -381,10 +394,10 @@ def test_ancestral_noise_isolated_from_neighbours():
     (bit for bit, the denoiser being batch invariant) alone and among stochastic
     neighbours that join before and after it, one of them canceled."""
     model = invariant_model("epsilon")
-    me = GenerateParams(condition="red circle", steps=7, sampler="euler_ancestral", guidance=7.5, seed=123,
+    me = GenerateParams(prompt="a red circle", steps=7, sampler="euler_ancestral", guidance=7.5, seed=123,
                         output="latent")
     alone, objs = _run_requests(model, [("me", me)])
-    neighbours = [(f"n{k}", GenerateParams(condition=TEST_CONDITIONS[k % 3], steps=4 + 3 * k,
+    neighbours = [(f"n{k}", GenerateParams(prompt=TEST_CONDITIONS[k % 3], steps=4 + 3 * k,
                                            sampler="euler_ancestral", guidance=(1.0, 3.0)[k % 2], seed=k,
                                            output="latent")) for k in range(4)]
     crowd, crowd_objs = _run_requests(model, neighbours[:2] + [("me", me)] + neighbours[2:],
@@ -400,7 +413,7 @@ def test_ancestral_noise_isolated_from_neighbours():
     # and the noise matters: another seed gives another image
     other, _ = _run_requests(model, [("me", msgspec.structs.replace(me, seed=124))])
     assert rel_l2(other["me"], alone["me"]) > 1e-2
-    case = Case("euler_ancestral", "epsilon", 7, 7.5, 123, "red circle")
+    case = Case("euler_ancestral", "epsilon", 7, 7.5, 123, "a red circle")
     assert rel_l2(alone["me"], reference(case)) <= TOL
 
 
@@ -421,7 +434,7 @@ def diffusers_scheduler(sampler: str, prediction: str, **overrides):
     return cls.from_config(config)
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p[0] != "default"], ids="-".join)
 def test_schedule_comes_from_diffusers(pair):
     sampler, pred = pair
     for steps in STEPS:
@@ -466,8 +479,8 @@ def test_dpm_order_logic(prediction):
 def test_dpm_sigma_min_matches_diffusers(steps):
     """The branch where the last step's sigma is not zero (second order at the end for ≥ 15 steps)."""
     model = invariant_model("epsilon", final_sigmas_type="sigma_min")
-    case = Case("dpmpp_2m", "epsilon", steps, 7.5, 5, "blue triangle")
-    ref = reference_latents(model, "dpmpp_2m", case.condition, steps, 7.5, case.seed)
+    case = Case("dpmpp_2m", "epsilon", steps, 7.5, 5, "a blue triangle")
+    ref = reference_latents(model, "dpmpp_2m", case.prompt, steps, 7.5, case.seed)
     assert rel_l2(run_unit(model, case), ref) <= TOL
 
 
@@ -481,7 +494,7 @@ def test_unsupported_pairs_raise(pair):
         build_schedule(sampler, config, 10, 3.0)
     core = EngineCore(float32_model(pred), CoreConfig(slots=2))
     with pytest.raises(RequestRejected) as exc:
-        core.add_request("r", GenerateParams(condition="red circle", steps=4, sampler=sampler))
+        core.add_request("r", GenerateParams(prompt="a red circle", steps=4, sampler=sampler))
     assert exc.value.field == "sampler"
     assert not core.requests and not core.queue
 
@@ -508,4 +521,31 @@ def test_supported_pairs_cover_the_contract():
     assert ("euler_ancestral", "sample") in UNSUPPORTED
     assert ("flow_euler", "epsilon") in UNSUPPORTED
     assert ("euler", "flow") in UNSUPPORTED
-    assert len(PAIRS) == 13
+    assert len(PAIRS) == 17  # `default` (the folder's own scheduler) runs on every prediction type
+
+
+@pytest.mark.parametrize("prediction", PREDICTIONS)
+def test_default_is_the_folders_own_scheduler(prediction):
+    """`default` runs the class the folder names: on the kernel where one of its updates is
+    exactly that scheduler (FlowMatchEuler → flow_euler), else the diffusers object itself
+    per request (these folders name DDPMScheduler, which the kernel does not express)."""
+    config = SCHEDULER_CONFIGS[prediction]
+    assert type(make_scheduler("default", config)).__name__ == config["_class_name"]
+    schedule = build_schedule("default", config, 7, 3.0)
+    if config["_class_name"] == "FlowMatchEulerDiscreteScheduler":
+        assert schedule.scheduler is None
+        np.testing.assert_array_equal(schedule.coefs, build_schedule("flow_euler", config, 7, 3.0).coefs)
+    else:
+        assert type(schedule.scheduler).__name__ == config["_class_name"]
+        assert schedule.steps == len(schedule.scheduler.timesteps)
+
+
+@pytest.mark.parametrize("folder_class, kernel", [("EulerDiscreteScheduler", "euler"), ("DDIMScheduler", "ddim"),
+                                                  ("DPMSolverMultistepScheduler", "dpmpp_2m")])
+def test_default_maps_to_the_kernel_only_when_configs_agree(folder_class, kernel):
+    from engine.core.solvers import kernel_sampler_of_default
+
+    config = dict(SCHEDULER_CONFIGS["epsilon"], _class_name=folder_class)
+    assert kernel_sampler_of_default(config) == kernel
+    if folder_class == "DPMSolverMultistepScheduler":  # a third-order folder is not dpmpp_2m: generic path
+        assert kernel_sampler_of_default(dict(config, solver_order=3)) is None

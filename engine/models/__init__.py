@@ -1,4 +1,7 @@
-"""Model folders: the embedded `shapes` model and any diffusers-format folder."""
+"""Model folders: the embedded `shapes` model and any diffusers-format folder.
+
+`resolve` finds a folder; `engine.models.loading.load_model` loads it for the core.
+"""
 from __future__ import annotations
 
 import pathlib
@@ -7,16 +10,18 @@ SHAPES_DIR = pathlib.Path(__file__).resolve().parent / "shapes" / "weights"
 
 
 def resolve(name_or_path: str | pathlib.Path) -> pathlib.Path:
-    """Return the local diffusers-format folder of a model.
+    """Return the local folder of a model: `shapes` (embedded) or a path.
 
-    The folder holds `unet/`, `vae/`, `scheduler/` and `conditions.json` (the
-    condition strings in class-index order, the null condition last).
+    A pipeline folder as diffusers saves it (`model_index.json` names the pipeline:
+    StableDiffusionPipeline, StableDiffusion3Pipeline), or the class-conditional layout
+    (`unet/`, `vae/`, `scheduler/`, `conditions.json`: condition strings in class-index
+    order, the null condition last).
     """
-    if str(name_or_path) == "shapes":
-        path = SHAPES_DIR
-    else:
-        path = pathlib.Path(name_or_path).expanduser().resolve()
+    path = SHAPES_DIR if str(name_or_path) == "shapes" else pathlib.Path(name_or_path).expanduser().resolve()
+    if (path / "model_index.json").exists():
+        return path
     missing = [p for p in ("unet", "vae", "scheduler", "conditions.json") if not (path / p).exists()]
     if missing:
-        raise FileNotFoundError(f"model folder {path} lacks {', '.join(missing)}")
+        raise FileNotFoundError(f"model folder {path} has no model_index.json (a diffusers pipeline folder) "
+                                f"and lacks {', '.join(missing)} of the class-conditional layout")
     return path

@@ -1,9 +1,9 @@
-"""Draws the training images of the `shapes` model and classifies drawn or sampled ones.
+"""Draws the training images of the `shapes` model, and distractors for its classifier.
 
 An image is one coloured shape (circle, square, triangle, cross) in pure-ish red, green
-or blue, of random size and position, on a plain grey-level background. The classifier
-is deterministic: it takes the saturated pixels as the shape, the dominant channel as
-the colour and simple statistics of the mask's bounding box as the shape's kind.
+or blue, of random size and position, on a plain grey-level background. `draw_distractors`
+draws look-alikes that are none of the four (ellipses, diamonds, blobs) in the same
+colours and backgrounds: `classify` (in `classify.py`) must read them as "unknown".
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ SIZE = 32
 _RGB = np.array([[0.9, 0.1, 0.1], [0.1, 0.85, 0.1], [0.1, 0.15, 0.95]], dtype=np.float32)
 
 
-def _mask(shape: str, cy: float, cx: float, s: float) -> np.ndarray:
+def shape_mask(shape: str, cy: float, cx: float, s: float) -> np.ndarray:
+    """Boolean SIZE×SIZE mask of `shape` of size `s` centred at (cy, cx), pixel centres."""
     y, x = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
     dy, dx = y - cy, x - cx
     h = s / 2
@@ -46,41 +47,54 @@ def draw(n: int, rng: np.random.Generator, labels: np.ndarray | None = None):
         cy, cx = rng.uniform(s / 2 + 1, SIZE - s / 2 - 1, size=2)
         grey = rng.uniform(0.3, 0.7)
         img = np.full((SIZE, SIZE, 3), grey, dtype=np.float32)
-        img[_mask(SHAPES[shape], cy, cx, s)] = _RGB[color]
+        img[shape_mask(SHAPES[shape], cy, cx, s)] = _RGB[color]
         images[i] = img
     return (images * 255 + 0.5).astype(np.uint8), np.asarray(labels)
 
 
+DISTRACTORS = ("ellipse", "diamond", "blob")
+
+
+def distractor_mask(kind: str, cy: float, cx: float, s: float, rng: np.random.Generator) -> np.ndarray:
+    """A figure that is none of SHAPES, its extent about `s`: an ellipse (axis ratio
+    0.45-0.7, any orientation), a diamond (a square standing on a corner) or a blob (a
+    circle whose radius wobbles by 2, 3 and 4 lobes of 12-22% each)."""
+    y, x = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
+    dy, dx = y - cy, x - cx
+    h = s / 2
+    if kind == "ellipse":
+        b = h * rng.uniform(0.45, 0.7)
+        th = rng.uniform(0, np.pi)
+        u, v = dx * np.cos(th) + dy * np.sin(th), -dx * np.sin(th) + dy * np.cos(th)
+        return (u / h) ** 2 + (v / b) ** 2 <= 1
+    if kind == "diamond":
+        return np.abs(dx) + np.abs(dy) <= h
+    if kind == "blob":
+        theta, r = np.arctan2(dy, dx), np.hypot(dy, dx)
+        radius = np.ones_like(r)
+        for k in (2, 3, 4):
+            radius += rng.uniform(0.12, 0.22) * np.cos(k * theta + rng.uniform(0, 2 * np.pi))
+        return r <= 0.8 * h * radius
+    raise ValueError(f"unknown distractor {kind!r}")
+
+
+def draw_distractors(n: int, rng: np.random.Generator, kinds=DISTRACTORS):
+    """Draw `n` distractor images. Returns (uint8 images n×32×32×3, kind names n)."""
+    names = [kinds[int(k)] for k in rng.integers(0, len(kinds), size=n)]
+    images = np.empty((n, SIZE, SIZE, 3), dtype=np.float32)
+    for i, kind in enumerate(names):
+        color = int(rng.integers(0, len(COLORS)))
+        s = rng.uniform(14, 22)
+        cy, cx = rng.uniform(s / 2 + 1, SIZE - s / 2 - 1, size=2)
+        img = np.full((SIZE, SIZE, 3), rng.uniform(0.3, 0.7), dtype=np.float32)
+        img[distractor_mask(kind, cy, cx, s, rng)] = _RGB[color]
+        images[i] = img
+    return (images * 255 + 0.5).astype(np.uint8), names
+
+
 def classify(images: np.ndarray) -> list[tuple[str | None, str | None]]:
-    """(colour, shape) of each uint8 H×W×3 image; None where nothing is found.
+    """(colour, shape) of each image, (None, None) where `classify.classify` says
+    "unknown": the older interface, kept for callers of `engine.models.shapes.classify`."""
+    from engine.models.shapes.classify import classify_pairs
 
-    The shape is the set of saturated pixels: the background is grey (equal channels), a
-    shape is one strong primary, so the spread between channels separates them, and
-    unsaturated halos or smudges around a sampled shape do not count as shape."""
-    out = []
-    for img in np.asarray(images, dtype=np.float32) / 255.0:
-        mask = img.max(axis=-1) - img.min(axis=-1) > 0.4
-        if mask.sum() < 12:
-            out.append((None, None))
-            continue
-        color = COLORS[int(np.argmax(img[mask].mean(axis=0)))]
-        out.append((color, _shape_of(mask)))
-    return out
-
-
-def _shape_of(mask: np.ndarray) -> str:
-    """Shape from the mask's bounding box, in box-relative coordinates: a square fills its
-    corners, a triangle (apex up) is bottom-heavy, a circle fills more of its box than a
-    cross. Soft, decoded edges shift each figure a little but not across these bounds."""
-    ys, xs = np.nonzero(mask)
-    box = mask[ys.min():ys.max() + 1, xs.min():xs.max() + 1].astype(np.float32)
-    h, w = box.shape
-    yy = (np.arange(h)[:, None] + 0.5) / h - 0.5
-    xx = (np.arange(w)[None, :] + 0.5) / w - 0.5
-    corners = (np.abs(yy) > 0.3) & (np.abs(xx) > 0.3)
-    if box[corners].mean() > 0.7:
-        return "square"
-    top, bottom = box[(yy < -1 / 6).ravel()].mean(), box[(yy > 1 / 6).ravel()].mean()
-    if bottom > 1.6 * top:
-        return "triangle"
-    return "circle" if box.mean() > 0.68 else "cross"
+    return classify_pairs(images)

@@ -1,8 +1,11 @@
-"""Sample the `shapes` model the plain diffusers way and save a grid:
-`python -m engine.models.shapes.sample -o shapes_grid.png`.
+"""Sample the text-to-image `shapes` model with diffusers alone and save a labelled grid:
+`python -m engine.models.shapes.sample -o shapes_grid.png [--model DIR]`.
 
-One batched loop with diffusers' own DPMSolverMultistepScheduler and classifier-free
-guidance, as a pipeline call does; used by the model's quality test and to look at it.
+`StableDiffusionPipeline.from_pretrained(DIR)` with diffusers' DPMSolverMultistepScheduler
+swapped in (the folder's own DDIM with `--scheduler ddim`); every prompt in one batched
+pipeline call with classifier-free guidance. Used by the model's quality test and to look
+at it: each image is captioned with its prompt and, where the classifier reads it
+otherwise, with what it reads.
 """
 from __future__ import annotations
 
@@ -11,56 +14,86 @@ import pathlib
 
 import numpy as np
 import torch
-from PIL import Image
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    StableDiffusionPipeline,
+)
+from PIL import Image, ImageDraw, ImageFont
 
-from engine.model import LoadedModel, load_model
-from engine.solvers import make_scheduler
+from engine.models.shapes.classify import classify
+from engine.models.shapes.draw import CONDITIONS
+
+T2I_DIR = pathlib.Path(__file__).resolve().parent / "weights_t2i"
+PROMPTS = tuple(f"a {c}" for c in CONDITIONS)  # "a red circle", ...
+
+
+def prompt_condition(prompt: str) -> str:
+    """"a red circle" -> "red circle", the classifier's reading of a right sample."""
+    return prompt.removeprefix("a ")
+
+
+def load_pipeline(folder: str | pathlib.Path = T2I_DIR, scheduler: str = "dpm") -> StableDiffusionPipeline:
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder))
+    if scheduler == "dpm":
+        pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    elif scheduler == "ddim":
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    else:
+        raise ValueError(f"unknown scheduler {scheduler!r}")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @torch.no_grad()
-def sample(model: LoadedModel, labels: list[int], steps: int = 20, guidance: float = 3.0, seed: int = 0,
-           sampler: str = "dpmpp_2m") -> np.ndarray:
-    """uint8 images (len(labels) × H × W × 3) for condition indices `labels`."""
-    sched = make_scheduler(sampler, model.scheduler_config)
-    sched.set_timesteps(steps)
-    gen = torch.Generator("cpu").manual_seed(seed)
-    n = len(labels)
-    size = model.native_size
-    x = torch.randn((n, *model.latent_shape(size, size)), generator=gen) * sched.init_noise_sigma
-    classes = torch.tensor(list(labels) + [model.null_index] * n)
-    for t in sched.timesteps:
-        x_in = sched.scale_model_input(torch.cat([x, x]), t)
-        cond, uncond = model.denoise(x_in, t, classes).chunk(2)
-        x = sched.step(uncond + guidance * (cond - uncond), t, x, generator=gen).prev_sample
-    return model.decode(x)
+def sample(pipe: StableDiffusionPipeline, prompts: list[str], steps: int = 20, guidance: float = 3.0,
+           seed: int = 0) -> np.ndarray:
+    """uint8 images (len(prompts) × H × W × 3), all prompts in one pipeline call."""
+    out = pipe(prompt=list(prompts), num_inference_steps=steps, guidance_scale=guidance,
+               generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+    return (np.clip(out.images, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
-def grid(images: np.ndarray, columns: int) -> np.ndarray:
-    n, h, w, c = images.shape
-    rows = -(-n // columns)
-    out = np.full((rows * (h + 2) + 2, columns * (w + 2) + 2, c), 255, dtype=np.uint8)
-    for i, img in enumerate(images):
+def labelled_grid(images: np.ndarray, captions: list[list[str]], columns: int, scale: int = 4) -> Image.Image:
+    """Images `scale`× enlarged in rows of `columns`, each with its caption lines under it."""
+    font = ImageFont.load_default()
+    h, w = images.shape[1] * scale, images.shape[2] * scale
+    line = 11
+    cell_w, cell_h = max(w, 112) + 6, h + 2 * line + 8
+    rows = -(-len(images) // columns)
+    canvas = Image.new("RGB", (columns * cell_w + 4, rows * cell_h + 4), "white")
+    ink = ImageDraw.Draw(canvas)
+    for i, (img, lines) in enumerate(zip(images, captions)):
         r, k = divmod(i, columns)
-        out[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + k * (w + 2):2 + k * (w + 2) + w] = img
-    return out
+        x, y = 4 + k * cell_w, 4 + r * cell_h
+        canvas.paste(Image.fromarray(img).resize((w, h), Image.NEAREST), (x + (cell_w - 6 - w) // 2, y))
+        for j, text in enumerate(lines):
+            ink.text((x, y + h + 2 + j * line), text, fill="black" if j == 0 else "red", font=font)
+    return canvas
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", type=pathlib.Path, default=pathlib.Path("shapes_grid.png"))
-    ap.add_argument("--model", default="shapes")
-    ap.add_argument("--per-condition", type=int, default=4)
+    ap.add_argument("--model", type=pathlib.Path, default=T2I_DIR)
+    ap.add_argument("--per-prompt", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scheduler", choices=("dpm", "ddim"), default="dpm")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    model = load_model(args.model)
-    conditions = model.conditions[:-1]
-    labels = [i for i in range(len(conditions)) for _ in range(args.per_condition)]
-    images = sample(model, labels, args.steps, args.guidance, args.seed)
-    big = grid(images, args.per_condition * 4)
-    Image.fromarray(big).resize((big.shape[1] * 3, big.shape[0] * 3), Image.NEAREST).save(args.output)
-    print(f"{len(images)} samples ({args.per_condition} per condition, rows of 4 conditions) -> {args.output}")
+    torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model, args.scheduler)
+    prompts = [p for p in PROMPTS for _ in range(args.per_prompt)]
+    images = sample(pipe, prompts, args.steps, args.guidance, args.seed)
+    readings = classify(images)
+    captions = [[p] + ([f"read: {r}"] if r != prompt_condition(p) else [])
+                for p, r in zip(prompts, readings)]
+    labelled_grid(images, captions, args.per_prompt * 4).save(args.output)
+    right = sum(r == prompt_condition(p) for p, r in zip(prompts, readings))
+    print(f"{len(images)} samples ({args.per_prompt} per prompt, rows of 4 prompts), "
+          f"{right}/{len(images)} read as their prompt -> {args.output}")
 
 
 if __name__ == "__main__":

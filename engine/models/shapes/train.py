@@ -1,41 +1,102 @@
-"""Train the embedded `shapes` model: `python -m engine.models.shapes.train [--out DIR]`.
+"""Train the embedded `shapes` model as a text-to-image `StableDiffusionPipeline` folder:
+`python -m engine.models.shapes.train [--out DIR] [--minutes M | --steps N]`.
 
-Two stages, seeded and reproducible on a given machine and thread count:
-1. an `AutoencoderKL` (32×32×3 → 8×8×4), MSE reconstruction (an L1 loss tends to wash
-   the colours out) plus a small KL term;
-2. a class-conditional `UNet2DModel` (epsilon prediction) on latents times the VAE's
-   `scaling_factor`, as diffusers pipelines do, with label dropout to the null class so
-   classifier-free guidance works; an EMA of its weights is what gets saved.
-Writes a diffusers folder: `vae/`, `unet/`, `scheduler/`, `conditions.json`.
+The folder is what `StableDiffusionPipeline.from_pretrained(DIR)` loads with diffusers
+alone: `tokenizer/` (a `CLIPTokenizer` over a small hand-written byte-level BPE
+vocabulary from `engine.models.vocab`, one token per word, padded to 16), `text_encoder/` (a small `CLIPTextModel`),
+`unet/` (a `UNet2DConditionModel` with cross-attention on the text), `vae/` (the trained
+`AutoencoderKL`, 32×32×3 → 8×8×4, reused from `weights/vae` unless `--train-vae`) and
+`scheduler/` (DDIM, epsilon prediction, scaled-linear betas).
+
+Training, seeded and reproducible on a given machine and thread count:
+1. (only with `--train-vae`) an `AutoencoderKL` from scratch, MSE reconstruction (an L1
+   loss tends to wash the colours out) plus a small KL term;
+2. the text encoder and the UNet jointly (or the text encoder frozen at its random
+   init, `--freeze-text-encoder`) on latents times the VAE's `scaling_factor`; the prompt
+   is dropped to "" with probability 0.1 so classifier-free guidance works. Batch 128,
+   AdamW with a short warm-up and cosine decay; an EMA of the weights is what gets saved.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
+import math
 import pathlib
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DModel
-from tqdm import tqdm
-
-from engine.models import SHAPES_DIR
-from engine.models.shapes.draw import CONDITIONS, NULL_CONDITION, draw
-
-SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    prediction_type="epsilon",
-    timestep_spacing="trailing",  # a 1- or 2-step schedule still starts from pure noise
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=0,
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DDPMScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
 )
+from tqdm import tqdm
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from engine.models.shapes.draw import COLORS, CONDITIONS, NULL_CONDITION, SHAPES, draw
+from engine.models.vocab import write_clip_tokenizer
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "weights_t2i"
+DEFAULT_VAE = HERE / "weights" / "vae"
+WORDS = ("a",) + COLORS + SHAPES
+MAX_LENGTH = 16
+
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+    "timestep_spacing": "trailing",  # a 1- or 2-step schedule still starts from pure noise
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 0,
+}
+
+
+# --- tokenizer -------------------------------------------------------------------------
+
+def make_tokenizer(folder: pathlib.Path) -> CLIPTokenizer:
+    tok = write_clip_tokenizer(folder, list(WORDS), model_max_length=MAX_LENGTH)
+    check_tokenizer(tok)
+    return tok
+
+
+def check_tokenizer(tok: CLIPTokenizer) -> None:
+    """Each word is exactly one token, and every prompt pads to `MAX_LENGTH`."""
+    for word in WORDS:
+        ids = tok(word, add_special_tokens=False).input_ids
+        assert len(ids) == 1 and ids[0] != tok.unk_token_id, (word, ids)
+    for prompt in (*CONDITIONS, NULL_CONDITION):
+        ids = tok(prompt, padding="max_length", max_length=tok.model_max_length, truncation=True).input_ids
+        assert len(ids) == MAX_LENGTH == tok.model_max_length, (prompt, ids)
+        assert ids[0] == tok.bos_token_id and tok.eos_token_id in ids, (prompt, ids)
+
+
+# --- models ----------------------------------------------------------------------------
+
+def make_text_encoder(tok: CLIPTokenizer) -> CLIPTextModel:
+    return CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=MAX_LENGTH, projection_dim=64,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    ))
+
+
+def make_unet() -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(64, 128),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),  # attention at 4×4 and in the middle
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=64, attention_head_dim=4,  # diffusers' name for the number of heads
+        norm_num_groups=32,
+    )
 
 
 def make_vae() -> AutoencoderKL:
@@ -44,15 +105,6 @@ def make_vae() -> AutoencoderKL:
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         block_out_channels=(16, 32, 64), layers_per_block=1, norm_num_groups=16,
         mid_block_add_attention=False,
-    )
-
-
-def make_unet() -> UNet2DModel:
-    return UNet2DModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(64, 128), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=32,
-        norm_num_groups=32, num_class_embeds=len(CONDITIONS) + 1,
     )
 
 
@@ -83,67 +135,131 @@ def encode(vae: AutoencoderKL, images: torch.Tensor, gen: torch.Generator) -> to
     return torch.cat([vae.encode(images[i:i + 512]).latent_dist.sample(gen) for i in range(0, len(images), 512)])
 
 
-def train_unet(latents: torch.Tensor, labels: torch.Tensor, steps: int, batch: int,
-               start: UNet2DModel | None = None, lr: float = 1e-3) -> UNet2DModel:
-    unet = start.train().requires_grad_(True) if start is not None else make_unet()
-    ema = copy.deepcopy(unet).requires_grad_(False)
+# --- text-conditioned diffusion --------------------------------------------------------
+
+def train_t2i(latents: torch.Tensor, labels: torch.Tensor, tok: CLIPTokenizer, steps: int | None,
+              minutes: float | None, batch: int = 128, lr: float = 1e-3, freeze_text: bool = False,
+              p_uncond: float = 0.1, seed: int = 0, checkpoint=None, checkpoint_every: int = 0):
+    """Train `make_unet()` and `make_text_encoder()`; returns their EMAs and the steps run.
+
+    With `minutes` (and no `steps`) the cosine schedule is laid over a step count measured
+    from the speed of the first steps, so a run fits its time on any machine (it is then
+    not bit-reproducible across machines; `--steps` is). Every `checkpoint_every` steps
+    `checkpoint(ema_unet, ema_text, step)` is called, so a stopped run leaves a model."""
+    torch.manual_seed(seed)
+    text_encoder, unet = make_text_encoder(tok), make_unet()
+    text_encoder.requires_grad_(not freeze_text)
+    ema_unet = copy.deepcopy(unet).requires_grad_(False)
+    ema_text = copy.deepcopy(text_encoder).requires_grad_(False)
+    trained = list(unet.parameters()) + ([] if freeze_text else list(text_encoder.parameters()))
+    ema_pairs = list(zip(ema_unet.parameters(), unet.parameters()))
+    if not freeze_text:
+        ema_pairs += list(zip(ema_text.parameters(), text_encoder.parameters()))
     noise_sched = DDPMScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "set_alpha_to_one"})
-    opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    gen = torch.Generator().manual_seed(2 if start is None else 4)
+    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=1e-4)
+    # The 12 prompts and "" (last): the encoder runs on these 13 once a step and the batch
+    # gathers its rows, which is the same function as encoding every prompt in the batch.
+    prompt_ids = tok(list(CONDITIONS) + [NULL_CONDITION], padding="max_length", max_length=MAX_LENGTH,
+                     truncation=True, return_tensors="pt").input_ids
     null = len(CONDITIONS)
-    for i in (bar := tqdm(range(steps), desc="unet", mininterval=5)):
+    gen = torch.Generator().manual_seed(seed + 2)
+    warmup = 100
+    total = steps
+    if total is None:  # decided after timing the first steps
+        total = 10**9
+    deadline = None if minutes is None else time.time() + 60 * minutes
+    bar = tqdm(total=steps, desc="unet+text" if not freeze_text else "unet", mininterval=5)
+    i, t0 = 0, time.time()
+    while i < total:
+        if steps is None and i == 50:  # measured speed -> step count that fits the time
+            per_step = (time.time() - t0) / 50
+            total = max(i + 1, int(i + (deadline - time.time()) / per_step))
+            bar.total = total
+            bar.refresh()
+        scale = min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / total)))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
         x0, y = latents[idx], labels[idx].clone()
-        y[torch.rand(batch, generator=gen) < 0.15] = null  # label dropout for guidance
+        y[torch.rand(batch, generator=gen) < p_uncond] = null  # prompt dropout for guidance
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,), generator=gen)
-        pred = unet(noise_sched.add_noise(x0, noise, t), t, class_labels=y).sample
+        with torch.set_grad_enabled(not freeze_text):
+            embeds = text_encoder(prompt_ids)[0]
+        pred = unet(noise_sched.add_noise(x0, noise, t), t, encoder_hidden_states=embeds[y]).sample
         loss = F.mse_loss(pred, noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
         decay = min(0.999, (1 + i) / (10 + i))
         with torch.no_grad():
-            for pe, p in zip(ema.parameters(), unet.parameters()):
+            for pe, p in ema_pairs:
                 pe.lerp_(p, 1 - decay)
+        bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-    return ema.eval()
+        i += 1
+        if checkpoint is not None and checkpoint_every and i % checkpoint_every == 0 and i < total:
+            checkpoint(ema_unet, ema_text, i)
+    bar.close()
+    return ema_unet.eval(), ema_text.eval(), i
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=pathlib.Path, default=SHAPES_DIR)
+    ap.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     ap.add_argument("--images", type=int, default=30000)
-    ap.add_argument("--vae-steps", type=int, default=1000)
-    ap.add_argument("--unet-steps", type=int, default=2500)
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="UNet/text-encoder steps (default 1200)")
+    length.add_argument("--minutes", type=float, help="train for about this long instead of --steps")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--freeze-text-encoder", action="store_true",
+                    help="keep the CLIP text encoder at its random init (default: train it jointly)")
+    ap.add_argument("--checkpoint-every", type=int, default=250,
+                    help="save the EMA pipeline to --out every this many steps (0: only at the end)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vae-from", type=pathlib.Path, help="skip stage 1: load this trained VAE folder")
-    ap.add_argument("--unet-from", type=pathlib.Path, help="continue stage 2 from this UNet folder")
-    ap.add_argument("--unet-lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vae-from", type=pathlib.Path, default=DEFAULT_VAE,
+                    help="the trained VAE folder to reuse (default: %(default)s)")
+    ap.add_argument("--train-vae", action="store_true", help="train the VAE from scratch instead")
+    ap.add_argument("--vae-steps", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.steps is None and args.minutes is None:
+        args.steps = 1200
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    tok = make_tokenizer(args.out / "tokenizer")
     images, labels = draw(args.images, np.random.default_rng(args.seed))
     images = to_tensor(images)
-    if args.vae_from:
-        vae = AutoencoderKL.from_pretrained(args.vae_from).eval()
-    else:
+    if args.train_vae:
         vae = train_vae(images, args.vae_steps, batch=32)
-        vae.save_pretrained(args.out / "vae")  # kept even if the second stage is stopped
-    latents = encode(vae, images, torch.Generator().manual_seed(3))
-    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    else:
+        vae = AutoencoderKL.from_pretrained(args.vae_from).eval()
+    latents = encode(vae, images, torch.Generator().manual_seed(args.seed + 3))
+    if args.train_vae:
+        vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
     latents = latents * vae.config.scaling_factor
-    start_unet = UNet2DModel.from_pretrained(args.unet_from) if args.unet_from else None
-    unet = train_unet(latents, torch.from_numpy(labels).long(), args.unet_steps, batch=64,
-                      start=start_unet, lr=args.unet_lr)
-    vae.save_pretrained(args.out / "vae")
-    unet.save_pretrained(args.out / "unet")
-    DDIMScheduler(**SCHEDULER_CONFIG).save_pretrained(args.out / "scheduler")
-    (args.out / "conditions.json").write_text(json.dumps(list(CONDITIONS) + [NULL_CONDITION], indent=1) + "\n")
-    print(f"trained in {time.time() - start:.0f}s, scaling_factor={vae.config.scaling_factor:.4f} -> {args.out}")
+
+    def save(unet, text_encoder, step=None):
+        pipe = StableDiffusionPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tok, unet=unet,
+            scheduler=DDIMScheduler(**SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False)
+        pipe.save_pretrained(args.out, safe_serialization=True)
+        if step is not None:
+            tqdm.write(f"checkpoint: EMA after {step} steps -> {args.out}")
+
+    unet, text_encoder, steps = train_t2i(latents, torch.from_numpy(labels).long(), tok, args.steps,
+                                          args.minutes, batch=args.batch, lr=args.lr,
+                                          freeze_text=args.freeze_text_encoder, seed=args.seed,
+                                          checkpoint=save, checkpoint_every=args.checkpoint_every)
+    save(unet, text_encoder)
+    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"trained {steps} steps in {time.time() - start:.0f}s "
+          f"({'frozen' if args.freeze_text_encoder else 'joint'} text encoder), "
+          f"{size / 2**20:.1f} MiB -> {args.out}")
 
 
 if __name__ == "__main__":

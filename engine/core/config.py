@@ -1,0 +1,35 @@
+"""The core's configuration and the names of its layouts and admission policies (torch-free,
+so the CLI parses flags without loading the model stack)."""
+from __future__ import annotations
+
+import dataclasses
+
+LAYOUTS = ("compact", "padded", "bucketed")
+ADMISSIONS = ("continuous", "static")
+
+
+@dataclasses.dataclass
+class CoreConfig:
+    slots: int = 16  # slots per group (latent shape)
+    layout: str = "compact"
+    admission: str = "continuous"
+    max_queue: int = 64  # requests waiting in front of admission; beyond it: Rejected
+    decode_buffers: int | None = None  # decode-arena buffers, one held per request from admission
+    # until decoded; default 2 × slots, so decoding never caps the batch on its own
+    max_steps: int = 500
+    trajectory_budget_bytes: int | None = None  # default: `slots` requests at the native size
+    output_budget_bytes: int | None = None  # default: `slots + decode_buffers` native outputs
+    device: str = "cpu"
+    embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse (R14)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {self.layout!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, not {self.admission!r}")
+        if self.decode_buffers is None:
+            self.decode_buffers = 2 * self.slots
+        if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
+                or self.embedding_cache_entries < 1:
+            raise ValueError("slots, decode_buffers, max_steps and embedding_cache_entries must be positive, "
+                             "max_queue non-negative")

@@ -1,0 +1,62 @@
+"""Admission's accounting (R8): every byte a request will hold, reserved before it is admitted.
+
+One source for the sizes: the output bound is `engine.protocol.output_nbytes`, the same
+number the engine process holds against a client's output budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from engine.protocol import output_nbytes
+
+# float32 rows per slot: latents + multistep history + noise workspace + two model-input
+# rows + two model-output rows
+TRAJECTORY_ROWS = 7
+
+
+@dataclasses.dataclass
+class Reservation:
+    trajectory_bytes: int
+    output_bytes: int
+    decode_buffers: int = 1
+
+
+class Ledger:
+    """Admission's accounting (R8): trajectory memory, decode buffers, output bytes."""
+
+    def __init__(self, trajectory_bytes: int, decode_buffers: int, output_bytes: int):
+        self.capacity = Reservation(trajectory_bytes, output_bytes, decode_buffers)
+        self.used = Reservation(0, 0, 0)
+
+    def could_ever_fit(self, r: Reservation) -> bool:
+        c = self.capacity
+        return r.trajectory_bytes <= c.trajectory_bytes and r.output_bytes <= c.output_bytes
+
+    def fits(self, r: Reservation) -> bool:
+        c, u = self.capacity, self.used
+        return (u.trajectory_bytes + r.trajectory_bytes <= c.trajectory_bytes
+                and u.output_bytes + r.output_bytes <= c.output_bytes
+                and u.decode_buffers + r.decode_buffers <= c.decode_buffers)
+
+    def take(self, r: Reservation) -> None:
+        self.used.trajectory_bytes += r.trajectory_bytes
+        self.used.output_bytes += r.output_bytes
+        self.used.decode_buffers += r.decode_buffers
+
+    def give_back_trajectory(self, r: Reservation) -> None:
+        self.used.trajectory_bytes -= r.trajectory_bytes
+        r.trajectory_bytes = 0
+
+    def give_back_decode(self, r: Reservation) -> None:
+        self.used.output_bytes -= r.output_bytes
+        self.used.decode_buffers -= r.decode_buffers
+        r.output_bytes = r.decode_buffers = 0
+
+
+def reservation_for(latent_shape: tuple[int, ...], height: int, width: int, output: str,
+                    conditioning_bytes: int = 0) -> Reservation:
+    """What one request holds: its trajectory state and conditioning rows while it
+    denoises, then its decode buffer and output bytes until its output is delivered."""
+    trajectory = 4 * math.prod(latent_shape) * TRAJECTORY_ROWS + conditioning_bytes
+    return Reservation(trajectory, output_nbytes(output, height, width, latent_shape))

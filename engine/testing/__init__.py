@@ -1,0 +1,1 @@
+"""Builders of small random-weight models and the reference semantics, for tests."""

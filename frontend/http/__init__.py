@@ -1,0 +1,20 @@
+"""The OpenAI-compatible images API (R16): `python -m frontend http --engine ADDR`.
+
+`app.py` the routes, `schemas.py` the bodies, `errors.py` OpenAI's error shapes,
+`link.py` the engine connection, `metrics.py` the gateway's Prometheus metrics,
+`server.py` the CLI (uvicorn). Imported lazily: `python -m frontend generate` does
+not pay for FastAPI."""
+
+__all__ = ["create_app", "EngineLink"]
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from frontend.http.app import create_app
+
+        return create_app
+    if name == "EngineLink":
+        from frontend.http.link import EngineLink
+
+        return EngineLink
+    raise AttributeError(name)

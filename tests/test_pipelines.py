@@ -1,0 +1,241 @@
+"""Text-to-image pipeline folders (SD, SD3) against diffusers' own pipeline call (DESIGN.md
+section 3, R13, R14): a request alone, requests sharing batches with late joins and
+cancellations, uint8 output, the encode phase and its cache, conditioning references."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
+from engine.core.fences import DeferredFences
+from engine.decode.stage import postprocess
+from engine.models.loading import StableDiffusion3Model, StableDiffusionModel, load_model
+from engine.protocol import GenerateParams
+from engine.testing.pipeline_oracle import pipeline_output
+from engine.testing.tiny_pipelines import build_sd, build_sd3
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ALONE_TOL = 1e-5
+SHARED_TOL = 1e-4
+PROMPTS = ["a red circle", "a big blue cat", "the small green dog", "a photo of a yellow cross", ""]
+NEGATIVES = ["", "blurry", "ugly photo"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipelines")
+    return {
+        "sd-ddim": build_sd(root / "sd-ddim", scheduler="ddim", seed=1),
+        "sd-pndm": build_sd(root / "sd-pndm", scheduler="pndm", seed=2),  # SD 1.5's default: the generic path
+        "sd-v": build_sd(root / "sd-v", scheduler="euler", prediction_type="v_prediction", seed=3),
+        "sd3": build_sd3(root / "sd3", seed=4),
+        "sd3-no-t5": build_sd3(root / "sd3-no-t5", with_t5=False, seed=5),
+    }
+
+
+_MODELS: dict = {}
+
+
+def model_of(folder):
+    if folder not in _MODELS:
+        _MODELS[folder] = load_model(folder)
+    return _MODELS[folder]
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def run(core: EngineCore, params: dict[str, GenerateParams]) -> dict:
+    for rid, p in params.items():
+        core.add_request(rid, p)
+    results = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if isinstance(out, DenoiseFinished):
+                results[out.request_id] = out.latents.numpy().copy()
+                core.decode_done(out.request_id)
+    return results
+
+
+SAMPLERS_OF = {
+    "sd-ddim": ["default", "euler", "euler_ancestral", "ddim", "dpmpp_2m"],
+    "sd-pndm": ["default", "dpmpp_2m"],
+    "sd-v": ["default", "euler_ancestral", "ddim", "dpmpp_2m"],
+    "sd3": ["default", "flow_euler", "dpmpp_2m"],
+    "sd3-no-t5": ["default", "flow_euler"],
+}
+ALONE = [(name, sampler) for name, samplers in SAMPLERS_OF.items() for sampler in samplers]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, sampler", ALONE, ids=[f"{n}-{s}" for n, s in ALONE])
+def test_request_alone_equals_the_pipeline(folders, name, sampler):
+    folder = folders[name]
+    model = model_of(folder)
+    rng = random.Random(f"{name}-{sampler}")
+    for guidance, negative in ((rng.choice([3.0, 7.5]), rng.choice(NEGATIVES)), (1.0, "")):
+        prompt, seed, steps = rng.choice(PROMPTS[:4]), rng.randrange(10_000), rng.choice([4, 7])
+        core = EngineCore(model, CoreConfig(slots=2))
+        got = run(core, {"r": GenerateParams(prompt=prompt, negative_prompt=negative, steps=steps, sampler=sampler,
+                                             guidance=guidance, seed=seed, output="latent")})["r"]
+        want = pipeline_output(folder, sampler, prompt, steps, guidance, seed, negative_prompt=negative)
+        assert got.shape == want.shape
+        err = rel_l2(got, want)
+        print(f"alone {name} {sampler} g={guidance}: relative L2 {err:.2e}")
+        assert err <= ALONE_TOL, f"{name} {sampler} g={guidance}: relative L2 {err:.3g}"
+        # guidance 1: one row a step, as the pipeline runs it (PNDM's schedule has one step more)
+        evaluations = steps + (name == "sd-pndm" and sampler == "default")
+        assert core.stats()["useful_evals"] == evaluations * (2 if guidance > 1 else 1)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["sd-ddim", "sd-pndm", "sd3"])
+def test_shared_batches_with_late_joins_and_cancels_equal_the_pipeline(folders, name):
+    folder = folders[name]
+    model = model_of(folder)
+    rng = random.Random(name)
+    samplers = SAMPLERS_OF[name]
+    cases = {}
+    for k in range(10):
+        cases[f"r{k}"] = GenerateParams(
+            prompt=rng.choice(PROMPTS), negative_prompt=rng.choice(NEGATIVES), steps=rng.choice([3, 5, 8]),
+            sampler=samplers[k % len(samplers)], guidance=rng.choice([1.0, 2.5, 7.0]), seed=rng.randrange(10_000),
+            output="latent")
+    core = EngineCore(model, CoreConfig(slots=4, max_queue=32))
+    pending = list(cases.items())
+    results, canceled, shared, steps_seen = {}, set(), 0, 0
+    victims = [f"v{k}" for k in range(3)]
+    for k, vid in enumerate(victims):  # long requests canceled mid-way: their slots are reused
+        pending.insert(2 + 3 * k, (vid, GenerateParams(prompt=PROMPTS[k], steps=20, sampler=samplers[k % len(samplers)],
+                                                       guidance=5.0, seed=k, output="latent")))
+    tick = 0
+    while pending or core.has_unfinished_requests():
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            if pending:
+                core.add_request(*pending.pop(0))
+        for vid in victims:
+            request = core.requests.get(vid)
+            if request is not None and request.trajectory.step >= 3 and not request.canceled:
+                core.abort_requests([vid])
+        running = [r for g in core.groups.values() for r in g.requests if r is not None and g.runnable[r.slot]]
+        steps_seen = max(steps_seen, len({r.trajectory.step for r in running}))
+        shared += len(running) > 1
+        for out in core.step():
+            if isinstance(out, DenoiseFinished):
+                results[out.request_id] = out.latents.numpy().copy()
+                core.decode_done(out.request_id)
+            elif isinstance(out, RequestCanceled):
+                canceled.add(out.request_id)
+        tick += 1
+        assert tick < 2000
+    assert canceled == set(victims) and set(results) == set(cases)
+    assert shared > 10 and steps_seen >= 3, "requests did not really share batches at different steps"
+    for rid, p in cases.items():
+        want = pipeline_output(folder, p.sampler, p.prompt, p.steps, p.guidance, p.seed,
+                               negative_prompt=p.negative_prompt)
+        err = rel_l2(results[rid], want)
+        print(f"shared {name} {rid} {p.sampler} g={p.guidance}: relative L2 {err:.2e}")
+        assert err <= SHARED_TOL, f"{rid} {p}: relative L2 {err:.3g}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["sd-ddim", "sd3"])
+def test_uint8_output_equals_the_pipelines_np_image(folders, name):
+    folder = folders[name]
+    model = model_of(folder)
+    p = GenerateParams(prompt="a red circle", steps=5, sampler="default", guidance=4.0, seed=11, output="uint8")
+    latents = run(EngineCore(model, CoreConfig(slots=2)), {"r": p})["r"]
+    image, shape, dtype = postprocess(model, torch.from_numpy(latents), "uint8")
+    want = pipeline_output(folder, "default", p.prompt, p.steps, p.guidance, p.seed, output_type="np")
+    assert dtype == "uint8" and image.shape == want.shape
+    diff = np.abs(image.astype(np.int64) - np.round(want * 255).astype(np.int64))
+    assert diff.max() <= 1, f"max difference {diff.max()} levels"
+    assert image.std() > 0  # a real image, not a constant
+
+
+def test_pipeline_classes_and_conditioning_layouts(folders):
+    sd, sd3, sd3_no_t5 = (model_of(folders[k]) for k in ("sd-ddim", "sd3", "sd3-no-t5"))
+    assert isinstance(sd, StableDiffusionModel) and isinstance(sd3, StableDiffusion3Model)
+    hidden, pooled, _ = sd.conditioning_layout
+    assert pooled is None and hidden == (16, 32)  # the tokenizer's 16 tokens × the CLIP width
+    hidden3, pooled3, _ = sd3.conditioning_layout
+    assert pooled3 == (80,) and hidden3[1] == 128
+    assert sd3_no_t5.conditioning_layout[0][1] == 128
+    assert sd.conditioning_nbytes == 16 * 32 * 4
+
+
+def test_encode_phase_batches_caches_and_times(folders):
+    model = model_of(folders["sd-ddim"])
+    calls = []
+    original = model.encode
+
+    def counting(prompts):
+        calls.append(list(prompts))
+        return original(prompts)
+
+    model.encode = counting
+    try:
+        core = EngineCore(model, CoreConfig(slots=4, max_queue=16, embedding_cache_entries=3))
+        params = [GenerateParams(prompt=PROMPTS[k % 2], negative_prompt="blurry", steps=2, guidance=3.0, seed=k,
+                                 output="latent") for k in range(4)]
+        run(core, {f"r{k}": p for k, p in enumerate(params)})
+        # one batched pass for the four admitted together: the two prompts and the negative, once each
+        assert len(calls) == 1 and sorted(calls[0]) == sorted([PROMPTS[0], PROMPTS[1], "blurry"])
+        stats = core.stats()
+        assert stats["embedding_cache_hits"] == 8 - 3 and stats["embedding_cache_misses"] == 3
+        run(core, {"again": params[0]})
+        assert len(calls) == 1 and core.stats()["embedding_cache_hits"] == 5 + 2
+        run(core, {"new": GenerateParams(prompt=PROMPTS[2], steps=2, guidance=1.0, output="latent")})
+        assert calls[-1] == [PROMPTS[2]] and core.stats()["embedding_cache_entries"] == 3  # bounded: LRU out
+    finally:
+        del model.encode
+
+
+def test_slot_holds_its_rows_until_the_fence(folders):
+    model = model_of(folders["sd-ddim"])
+    fences = DeferredFences()
+    core = EngineCore(model, CoreConfig(slots=2), fences=fences)
+    core.add_request("r", GenerateParams(prompt="a red circle", negative_prompt="ugly", steps=3, guidance=3.0,
+                                         output="latent"))
+    core.step()
+    group = next(iter(core.groups.values()))
+    slot = core.requests["r"].slot
+    positive, negative = group.conditioning[slot]
+    assert positive.hidden.shape == (16, 32) and negative is not None
+    core.abort_requests(["r"])
+    core.step()
+    assert group.conditioning[slot, 0] is not None, "rows released while a launch may still read them"
+    fences.release_all()
+    outputs = core.step()
+    assert any(isinstance(o, RequestCanceled) for o in outputs)
+    assert group.conditioning[slot, 0] is None and group.epoch[slot] == 1
+
+
+def test_admission_counts_embedding_bytes(folders):
+    model = model_of(folders["sd-ddim"])
+    core = EngineCore(model, CoreConfig(slots=4))
+    core.add_request("g", GenerateParams(prompt="a red circle", steps=2, guidance=3.0, output="latent"))
+    core.add_request("one", GenerateParams(prompt="a red circle", steps=2, guidance=1.0, output="latent"))
+    guided, single = core.requests["g"].reservation, core.requests["one"].reservation
+    assert guided.trajectory_bytes - single.trajectory_bytes == model.conditioning_nbytes
+
+
+@pytest.mark.parametrize("field, value", [("prompt", 7), ("prompt", "x" * 5000), ("negative_prompt", None),
+                                          ("prompt", "nul\x00byte")])
+def test_bad_prompts_are_rejected_naming_the_field(folders, field, value):
+    core = EngineCore(model_of(folders["sd-ddim"]), CoreConfig(slots=2))
+    params = GenerateParams(prompt="a red circle", steps=2)
+    import msgspec
+
+    bad = msgspec.structs.replace(params, **{field: value})
+    with pytest.raises(RequestRejected) as info:
+        core.add_request("r", bad)
+    assert info.value.field == field
+    core.add_request("ok", params)  # nothing else lost
+    assert run(core, {})["ok"].shape == (4, 8, 8)
