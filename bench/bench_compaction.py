@@ -53,14 +53,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.core import CoreConfig, EngineCore, Group  # noqa: E402
+from engine.core.config import LAYOUTS as ALL_LAYOUTS  # noqa: E402
 from engine.core.engine_core import _bucket  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
 from workload_common import PROMPTS, TimedDenoiser, bench_model_folder  # noqa: E402
 
-LAYOUTS = ("padded", "compact", "bucketed")
+LAYOUTS = tuple(sorted(ALL_LAYOUTS, key=lambda name: name != "padded"))  # padded first: the baseline row
 FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.25, 1.0)
-SAMPLERS = ("euler", "dpmpp_2m")  # deterministic: `_build_batch` draws no noise
+MIXED_SAMPLERS = ("euler", "dpmpp_2m")  # deterministic: `_build_batch` draws no noise
 STEPS = 200  # per request; trajectories are rewound before anyone reaches the end
 SMOKE_SLOTS = 8
 
@@ -117,7 +118,7 @@ class StepBench:
         prompts = [p for p in model.prompts if p] or list(PROMPTS)  # class names, or free text
         for i in range(active):
             core.add_request(f"bench-{i}", GenerateParams(
-                prompt=prompts[i % len(prompts)], steps=steps, sampler=SAMPLERS[(i // 2) % len(SAMPLERS)],
+                prompt=prompts[i % len(prompts)], steps=steps, sampler=MIXED_SAMPLERS[(i // 2) % len(MIXED_SAMPLERS)],
                 guidance=1.0 if i % 2 == 0 else 3.0, seed=i, output="latent"))
         core._admit()
         (self.group,) = core.groups.values()

@@ -40,7 +40,7 @@ from engine.core import ADMISSIONS, LAYOUTS, CoreConfig, DenoiseFinished, Engine
 from engine.protocol import GenerateParams  # noqa: E402
 
 STEPS = (20, 5, 50, 2, 10, 30, 1, 15)
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 GUIDANCE = (3.0, 1.0, 7.5)
 
 
@@ -57,7 +57,7 @@ def schedule(model, requests: int, every: int, steps=STEPS) -> dict[int, list[tu
     arrivals: dict[int, list] = {}
     for i in range(requests):
         p = GenerateParams(prompt=conditions[i % len(conditions)], steps=steps[i % len(steps)],
-                           sampler=SAMPLERS[i % len(SAMPLERS)], guidance=GUIDANCE[i % len(GUIDANCE)],
+                           sampler=MIXED_SAMPLERS[i % len(MIXED_SAMPLERS)], guidance=GUIDANCE[i % len(GUIDANCE)],
                            seed=i, output="latent")
         arrivals.setdefault(i * every, []).append((f"r{i:02d}", p))
     return arrivals

@@ -27,7 +27,7 @@ from engine.core import CoreConfig, EngineCore  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
 from engine.testing.reference import TEST_CONDITIONS, tiny_model  # noqa: E402
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 GUIDANCES = (1.0, 3.0, 7.5)
 STEPS = (10, 20, 30, 50)
 TARGET_US_64 = 200.0
@@ -46,7 +46,7 @@ def prepared_core(slots: int, layout: str = "compact", seed: int = 0):
                                                          trajectory_budget_bytes=1 << 30))
     for k in range(slots):
         core.add_request(f"r{k}", GenerateParams(
-            prompt=TEST_CONDITIONS[k % 3], steps=STEPS[k % len(STEPS)], sampler=SAMPLERS[k % len(SAMPLERS)],
+            prompt=TEST_CONDITIONS[k % 3], steps=STEPS[k % len(STEPS)], sampler=MIXED_SAMPLERS[k % len(MIXED_SAMPLERS)],
             guidance=GUIDANCES[k % len(GUIDANCES)], seed=k, output="latent"))
     core._admit()
     (group,) = core.groups.values()

@@ -48,7 +48,7 @@ from engine.serve.launcher import EngineProcess, serve_command, stop_process  # 
 from frontend.client import AsyncClient  # noqa: E402
 
 PROMPTS = [f"a {c} {s}" for c in ("red", "green", "blue") for s in ("circle", "square", "triangle", "cross")]
-SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")
 
 
 def trace(n: int, rate: float, seed: int = 0) -> list[tuple[float, GenerateParams]]:
@@ -58,7 +58,7 @@ def trace(n: int, rate: float, seed: int = 0) -> list[tuple[float, GenerateParam
     for i in range(n):
         t += rng.expovariate(rate)
         items.append((t, GenerateParams(prompt=rng.choice(PROMPTS), steps=rng.randint(2, 8),
-                                        sampler=rng.choice(SAMPLERS), guidance=round(rng.uniform(1.0, 5.0), 1),
+                                        sampler=rng.choice(MIXED_SAMPLERS), guidance=round(rng.uniform(1.0, 5.0), 1),
                                         seed=rng.randrange(2**31))))
     return items
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     rate = args.rate or (4.0 if args.quick else 4.0)
     warmup = 4
     items = trace(n + warmup, rate, args.seed)
-    label = f"{'fake core' if args.fake_core else 'shapes'} engine, rate {rate:g}/s, steps 2–8, {len(SAMPLERS)} samplers"
+    label = f"{'fake core' if args.fake_core else 'shapes'} engine, rate {rate:g}/s, steps 2–8, {len(MIXED_SAMPLERS)} samplers"
     if args.engine and args.gateway:
         stack = contextlib.nullcontext((args.engine, args.gateway, None))
         label = f"engine {args.engine}, gateway {args.gateway}, rate {rate:g}/s"

@@ -19,7 +19,7 @@ import traceback
 
 import numpy as np
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 GUIDANCES = (1.0, 3.0, 7.5)
 STEP_SHARES = (0.4, 0.35, 0.25)  # of the three step classes, shortest first
 STATS_INTERVAL_S = 0.2
@@ -48,7 +48,7 @@ def make_schedule(seed: int, rate: float | None, duration: float, clients: int, 
         requests.append(dict(
             i=len(requests), t=round(float(t), 4), client=int(rng.integers(clients)),
             prompt=str(prompts[rng.integers(len(prompts))]), steps=steps,
-            sampler=str(SAMPLERS[rng.integers(len(SAMPLERS))]), guidance=float(GUIDANCES[rng.integers(len(GUIDANCES))]),
+            sampler=str(MIXED_SAMPLERS[rng.integers(len(MIXED_SAMPLERS))]), guidance=float(GUIDANCES[rng.integers(len(GUIDANCES))]),
             seed=int(rng.integers(2**31)), cancel_at=cancel_at))
     return requests
 
@@ -229,7 +229,7 @@ def warm_up(client, prompt: str, step_classes: tuple[int, ...]) -> None:
     from frontend import GenerateParams
 
     handles = []
-    for k, sampler in enumerate(SAMPLERS):
+    for k, sampler in enumerate(MIXED_SAMPLERS):
         handles.append(client.submit(GenerateParams(prompt=prompt, steps=min(step_classes), sampler=sampler,
                                                     guidance=GUIDANCES[k % 3], seed=k, output="png"),
                                      progress=False))

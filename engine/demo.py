@@ -26,7 +26,7 @@ import numpy as np
 from engine.serve import transport
 from engine.serve.launcher import launched_engine
 
-SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")  # the mix the demo runs (of engine.protocol.SAMPLERS)
 # the prompts of the embedded `shapes` model (a text model: Welcome lists no prompts)
 SHAPES_PROMPTS = [f"a {color} {shape}" for color in ("red", "green", "blue")
                   for shape in ("circle", "square", "triangle", "cross")]
@@ -38,7 +38,7 @@ LONG_STEPS = 200
 def plan(prompts: list[str]) -> list[dict]:
     requests = []
     for i, prompt in enumerate(prompts):
-        requests.append(dict(prompt=prompt, steps=STEPS[i % len(STEPS)], sampler=SAMPLERS[i % len(SAMPLERS)],
+        requests.append(dict(prompt=prompt, steps=STEPS[i % len(STEPS)], sampler=MIXED_SAMPLERS[i % len(MIXED_SAMPLERS)],
                              guidance=GUIDANCE[i % len(GUIDANCE)], seed=i, output="png"))
     # the first prompt once more with a negative prompt naming another colour
     requests.append(dict(prompt=prompts[0], negative_prompt=prompts[-1], steps=20, sampler="dpmpp_2m",

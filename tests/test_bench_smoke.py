@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
+from engine.core.config import LAYOUTS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_compaction.py"
-LAYOUTS = ("padded", "compact", "bucketed")
 QUICK_FRACTIONS = (0.25, 1.0)
 COLUMNS = 11  # layout, fraction, active, rows, useful, step, build, denoiser, host, evals/s, vs padded
 

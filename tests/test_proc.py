@@ -27,7 +27,7 @@ from engine.protocol import Accepted, Canceled, Completed, Delivered, Failed, Re
 from fake_core import FakeModel, fake_latents
 from frontend import AsyncClient, Client, EngineDeadError, GenerateParams
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+MIXED_SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 
 CLIENT_SCRIPT = """
 import json, sys
@@ -50,7 +50,7 @@ def mixed_specs(client: int, count: int, max_steps: int, kinds=("latent", "laten
     rng = np.random.default_rng(client)
     prompts = ["a red circle", "a green square", "a blue triangle"]
     return [dict(prompt=prompts[(client + i) % 3], steps=int(rng.integers(2, max_steps + 1)),
-                 sampler=SAMPLERS[(client + i) % 4], guidance=[1.0, 2.5, 7.0][i % 3], seed=int(rng.integers(0, 1000)),
+                 sampler=MIXED_SAMPLERS[(client + i) % 4], guidance=[1.0, 2.5, 7.0][i % 3], seed=int(rng.integers(0, 1000)),
                  output=kinds[i % len(kinds)]) for i in range(count)]
 
 
