@@ -54,3 +54,15 @@ def test_compaction_quick_mode_prints_every_layout_row(tmp_path):
     assert {(r["layout"], r["fraction"]) for r in report["results"]} == set(rows)
     assert all(len(r["samples_ms"]) == 2 for r in report["results"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(240)
+def test_http_load_quick_prints_the_gateway_overhead():
+    """`bench/http_load.py --quick --fake-core`: the same trace through the HTTP gateway and
+    the direct client, side by side; the table's 'gateway added' row carries numbers."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "http_load.py"), "--quick", "--fake-core"],
+                          cwd="/", capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    added = next(line for line in proc.stdout.splitlines() if line.startswith("gateway added"))
+    p50, p99 = (float(x) for x in added.split()[2:4])
+    assert p50 <= p99 and abs(p50) < 1000, added  # a difference of medians: noise may make it small
