@@ -58,7 +58,7 @@ class EngineCore:
         self.groups: dict[tuple, Group] = {}
         self.requests: dict[str, Request] = {}
         self.queue: collections.deque[Request] = collections.deque()
-        self.inflight: list[tuple] = []  # (fence, [Report], per-slot finite flags on the device)
+        self.inflight: list[tuple] = []  # (fence, [Report], the group's per-slot finite flags on the device)
         self.outputs: list = []
         self.embeddings = EmbeddingCache(model, self.config.embedding_cache_entries)
         native = model.native_size
@@ -426,8 +426,9 @@ class EngineCore:
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
             self._step_generic(group, batch, out, previews)
-        # one reduction per step, read by the reaper after the fence: no per-slot device sync
-        finite = torch.isfinite(group.latents.index_select(0, torch.from_numpy(batch.slots).to(self.device))).all(1)
+        # one reduction per step over the group's slots, read by the reaper after the fence: no
+        # per-slot device sync, no host-to-device copy
+        finite = torch.isfinite(group.latents).all(1)
         fence = self.fences.record()
         self.batches += 1
         group.last_served = self.batches
@@ -455,7 +456,11 @@ class EngineCore:
     def _denoise(self, batch: Batch, x_in: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of `row_limit` rows
         once the device has run out of memory for more."""
-        rows = list(range(len(batch.row_slot))) if rows is None else rows
+        n = len(batch.row_slot)
+        if rows is None and (self.row_limit is None or self.row_limit >= n):  # the common case: one call
+            return self.model.denoise(x_in.to(self.model.dtype), batch.row_timestep,
+                                      batch.row_conditioning).reshape(n, -1)
+        rows = list(range(n)) if rows is None else rows
         limit = self.row_limit or len(rows)
         outs = []
         for start in range(0, len(rows), limit):
@@ -624,7 +629,9 @@ class EngineCore:
             if not fence.done():
                 still.append((fence, reports, finite))
                 continue
-            for rep, ok in zip(reports, finite.tolist()):
+            flags = finite.tolist()
+            for rep in reports:
+                ok = flags[rep.slot]
                 if rep.group.epoch[rep.slot] != rep.epoch or rep.group.requests[rep.slot] is not rep.request:
                     self.stats_counters["stale"] += 1
                     log.debug("stale report for slot %d epoch %d dropped", rep.slot, rep.epoch)
