@@ -10,13 +10,10 @@ process or /dev/shm segment is left behind.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -148,18 +145,11 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
 
 
 def _classify(images: list[np.ndarray | None]) -> list[str]:
-    try:
-        from engine.models.shapes import classify
-    except ImportError:
-        return [""] * len(images)
-    looks = []
-    for image in images:
-        if image is None or image.shape[:2] != (32, 32):
-            looks.append("")
-            continue
-        color, shape = classify(image[None])[0]
-        looks.append(f"{color} {shape}" if color else "nothing")
-    return looks
+    """What the shapes classifier reads in each 32×32 image ("" for others and canceled)."""
+    from engine.models.shapes.classify import UNKNOWN, classify
+
+    return ["" if image is None or image.shape[:2] != (32, 32) else
+            ("nothing" if (look := classify(image[None])[0]) == UNKNOWN else look) for image in images]
 
 
 def engine_command(args: argparse.Namespace, address: str) -> list[str]:

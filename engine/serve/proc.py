@@ -70,6 +70,7 @@ from engine.serve import transport
 from engine.serve.io_thread import HARD_FRAME_LIMIT, WAKE, IOThread, ProcConfig
 from engine.serve.watchdog import StepWatchdog
 from engine.core.interface import CoreInterface
+from engine.decode.arena import sweep_stale as sweep_stale_segments
 from engine.decode.stage import DecodedOutput, DecodeStage
 from engine.core.outputs import (
     DenoiseFinished, PreviewReady, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
@@ -146,7 +147,7 @@ class EngineCoreProc:
         }
 
         transport.check_bind_address(config.address, config.allow_remote_bind)
-        for name in transport.sweep_stale_segments():  # R10: what an engine killed by SIGKILL left
+        for name in sweep_stale_segments():  # R10: what an engine killed by SIGKILL left
             log.warning("removed stale shared memory segment /dev/shm/%s (its engine is gone)", name)
         path = transport.ipc_path(config.address)
         if path is not None:

@@ -157,34 +157,6 @@ SHM_DIR = pathlib.Path("/dev/shm")
 SEGMENT_PREFIX = "diffslot-"
 
 
-def sweep_stale_segments() -> list[str]:
-    """Remove `diffslot-<pid>-*` shared memory segments whose engine is gone (killed
-    with SIGKILL, e.g. a container runtime killing the whole process group, so nothing
-    of it could clean up). Segments of live engines are left alone."""
-    try:
-        from engine.decode.arena import sweep_stale  # also catches pids reused since
-    except ImportError:  # the C extension is not built: the plain check
-        sweep_stale = _sweep_dead_owners
-    return sweep_stale(SHM_DIR)
-
-
-def _sweep_dead_owners(directory: pathlib.Path) -> list[str]:
-    removed = []
-    try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return removed
-    for path in entries:
-        match = re.match(r"^diffslot-(\d+)-", path.name)
-        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except OSError:
-                pass
-    return removed
-
-
 def own_segments(pid: int | None = None) -> list[pathlib.Path]:
     """This engine's shared memory segments (names carry its pid)."""
     prefix = f"{SEGMENT_PREFIX}{pid or os.getpid()}-"

@@ -1,4 +1,5 @@
-"""The embedded `shapes` model: red/green/blue shapes on a grey-level background."""
-from .draw import COLORS, SHAPES, CONDITIONS, NULL_CONDITION, draw, classify
+"""The embedded `shapes` model: red/green/blue shapes on a grey-level background.
+`draw` makes the images, `classify` reads them, `train` and `sample` use both."""
+from .draw import COLORS, CONDITIONS, NULL_CONDITION, SHAPES, draw
 
-__all__ = ["COLORS", "SHAPES", "CONDITIONS", "NULL_CONDITION", "draw", "classify"]
+__all__ = ["COLORS", "SHAPES", "CONDITIONS", "NULL_CONDITION", "draw"]

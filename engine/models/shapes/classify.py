@@ -13,8 +13,6 @@ happens to be nearest.
 """
 from __future__ import annotations
 
-import sys
-import types
 
 import numpy as np
 
@@ -80,21 +78,4 @@ def _best_iou(mask: np.ndarray, shape: str, ys: np.ndarray, xs: np.ndarray) -> f
     return float((inter / union).max())
 
 
-def classify_pairs(images: np.ndarray) -> list[tuple[str | None, str | None]]:
-    """(colour, shape) of each image, (None, None) where `classify` says "unknown": the
-    interface of the older `engine.models.shapes.classify` (`draw.classify`)."""
-    return [(None, None) if t == UNKNOWN else tuple(t.split(" ", 1)) for t in classify(images)]
-
-
-class _CallableModule(types.ModuleType):
-    """`engine.models.shapes` exports `draw.classify` (pairs) as `classify`, and Python
-    rebinds that package attribute to this module once it is imported; calling the
-    module therefore keeps `from engine.models.shapes import classify` working."""
-
-    def __call__(self, images):
-        return classify_pairs(images)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-
-__all__ = ["UNKNOWN", "classify", "classify_one", "classify_pairs", "explain"]
+__all__ = ["UNKNOWN", "classify", "classify_one", "explain"]

@@ -90,11 +90,3 @@ def draw_distractors(n: int, rng: np.random.Generator, kinds=DISTRACTORS):
         img[distractor_mask(kind, cy, cx, s, rng)] = _RGB[color]
         images[i] = img
     return (images * 255 + 0.5).astype(np.uint8), names
-
-
-def classify(images: np.ndarray) -> list[tuple[str | None, str | None]]:
-    """(colour, shape) of each image, (None, None) where `classify.classify` says
-    "unknown": the older interface, kept for callers of `engine.models.shapes.classify`."""
-    from engine.models.shapes.classify import classify_pairs
-
-    return classify_pairs(images)
