@@ -3,9 +3,9 @@
     python bench/bench_compaction.py [--model shapes|tiny-sd|PATH] [--slots 64] [--repeats N]
                                      [--quick] [--json OUT] [--plot OUT.png]
 
-The model is the text model (`--model shapes`, a StableDiffusionPipeline folder; while
-its text-to-image weights have not landed, the tiny SD folder `tiny-sd` of
-`engine.testing.tiny_pipelines.build_sd`, with a printed note). For each layout (`padded`,
+The model is the embedded text model (`--model shapes`, a StableDiffusionPipeline folder),
+or `tiny-sd` (the random-weight folder of `engine.testing.tiny_pipelines.build_sd`), or a
+folder. For each layout (`padded`,
 `compact`, `bucketed`) and each active fraction f (1/8, 1/4, 1/2, 3/4, 1) an EngineCore
 with `--slots` slots gets round(f * slots) requests (prompts "a {color} {shape}", guidance
 alternating 1.0 and 3.0, i.e. 1 and 2 rows per slot; samplers euler and dpmpp_2m, both
@@ -70,8 +70,8 @@ SMOKE_SLOTS = 8
 
 @functools.lru_cache(maxsize=None)
 def load_bench_model(name: str = "shapes"):
-    """(model, label): the text model (`shapes`; `tiny-sd` while its weights have not
-    landed), `tiny-sd`, or a folder. A tiny SD folder is built once per process."""
+    """(model, label): the text model (`shapes`), `tiny-sd`, or a folder. A tiny SD
+    folder is built once per process."""
     from engine.models.loading import load_model
 
     folder, label = bench_model_folder(name, _scratch())
@@ -307,8 +307,7 @@ def plot(results: list[dict], path: pathlib.Path, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="shapes", help="shapes (default; tiny-sd while its text-to-image weights "
-                    "have not landed), tiny-sd, or a diffusers model folder")
+    ap.add_argument("--model", default="shapes", help="shapes (default), tiny-sd, or a diffusers model folder")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 30; 3 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed repeats first (default 3; 1 with --quick)")

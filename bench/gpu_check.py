@@ -30,8 +30,10 @@ exit status 1 if any check failed):
   unet         an SD-1.5-architecture UNet2DConditionModel (random weights, 512×512 → 4×64×64
                latents, fp16; SD 1.5's config written out below) under the engine at full
                batch vs the same UNet's peak batched rate: useful rows/s ratio, host time per step.
-  layouts      compact vs padded vs bucketed at active fractions 1/8 … 1 on that UNet: time
-               per step and per useful row.
+  graphs       the bucketed layout with CUDA graphs (one captured denoiser call per bucket,
+               replayed) against the same requests launched eagerly: equal final latents.
+  layouts      compact vs padded vs bucketed (eager, and with CUDA graphs) at active
+               fractions 1/8 … 1 on that UNet: time per step and per useful row, host time.
 
 The lent machine has no diffusers and no msgspec and an older torch than setup.py pins:
 `bash bench/device_wheels.sh` (here) downloads the wheels into bench/.wheels; this script
@@ -666,8 +668,10 @@ def sd15_model():
                                                     dtype=torch.float16)))
             return out
 
-        def denoise(self, x, t, rows):
-            hidden = torch.stack([c.hidden for c in rows])
+        def stack_conditioning(self, rows):
+            return (torch.stack([c.hidden for c in rows]),)
+
+        def denoise_stacked(self, x, t, hidden):
             return self.denoiser(x, t, encoder_hidden_states=hidden).sample
 
     return Sd15()
@@ -698,7 +702,8 @@ def unet_peak_ms(model, rows: int) -> float:
 
 
 def run_engine_steps(model, slots: int, active: int, layout: str, steps_each: int, measure: int | None,
-                     guidance: float = 7.5, sampler: str = "euler", device: str = "cuda", prompts=None):
+                     guidance: float = 7.5, sampler: str = "euler", device: str = "cuda", prompts=None,
+                     cuda_graphs: bool = True, latents: dict | None = None):
     """An EngineCore on the UNet with `active` requests; returns (wall s, steps, useful rows,
     total rows, host s per step list, finished, failed). `measure`: time only that many
     steps after two warm-up steps (requests stay active); None: run every request to the end."""
@@ -711,7 +716,8 @@ def run_engine_steps(model, slots: int, active: int, layout: str, steps_each: in
     from engine.protocol import GenerateParams
 
     core = EngineCore(model, CoreConfig(slots=slots, layout=layout, max_steps=max(64, steps_each), device=device,
-                                        trajectory_budget_bytes=1 << 36, output_budget_bytes=1 << 36))
+                                        trajectory_budget_bytes=1 << 36, output_budget_bytes=1 << 36,
+                                        cuda_graphs=cuda_graphs))
     prompts = prompts or [f"prompt {k}" for k in range(5)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for k in range(active):
@@ -727,6 +733,8 @@ def run_engine_steps(model, slots: int, active: int, layout: str, steps_each: in
         for o in outs:
             if isinstance(o, DenoiseFinished):
                 finished += 1
+                if latents is not None:
+                    latents[o.request_id] = o.latents.clone()
                 core.decode_done(o.request_id)
             elif RequestFailed and isinstance(o, RequestFailed):
                 failed += 1
@@ -754,6 +762,8 @@ def run_engine_steps(model, slots: int, active: int, layout: str, steps_each: in
     s1 = core.stats()
     useful = s1["useful_evals"] - s0["useful_evals"]
     total = useful + s1["padded_evals"] - s0["padded_evals"]
+    graphs = 0 if core.graphed is None else len(core.graphed.graphs)
+    run_engine_steps.graphs = graphs  # read by part_layouts
     return wall, core.batches - b0, useful, total, hosts, finished, failed
 
 
@@ -791,15 +801,36 @@ def part_layouts(args) -> None:
     for fraction in fractions:
         active = max(1, round(slots * fraction))
         base = None
-        for layout in ("padded", "compact", "bucketed"):
-            wall, batches, useful, total, hosts, _, failed = run_engine_steps(model, slots, active, layout, 60, measure)
+        for layout, graphs in (("padded", False), ("compact", False), ("bucketed", False), ("bucketed", True)):
+            wall, batches, useful, total, hosts, _, failed = run_engine_steps(model, slots, active, layout, 60, measure,
+                                                                              cuda_graphs=graphs)
             per_step = wall / max(1, batches) * 1e3
             per_row = wall / max(1, useful) * 1e3
             base = base or per_step
-            row("layouts", f"{layout} {active}/{slots} active", "ms per step / per useful row", per_step,
+            name = layout + ("+graphs" if graphs else "")
+            row("layouts", f"{name} {active}/{slots} active", "ms per step / per useful row", per_step,
                 "info" if failed == 0 else "FAIL",
                 f"{per_row:.2f} ms/useful row, {total // max(1, batches)} rows/step "
-                f"({useful // max(1, batches)} useful), {base / per_step:.2f}x padded's speed")
+                f"({useful // max(1, batches)} useful), {base / per_step:.2f}x padded's speed, "
+                f"host {statistics.median(hosts) * 1e3:.2f} ms/step"
+                + (f", {run_engine_steps.graphs} graphs" if graphs else ""))
+
+
+def part_graphs(args) -> None:
+    """CUDA graphs change no result: the same requests, bucketed, replayed vs eager."""
+    model = get_sd15()
+    results = []
+    for graphs in (False, True):
+        latents = {}
+        _, _, _, _, _, finished, failed = run_engine_steps(model, 8, 5, "bucketed", 6, None, sampler="dpmpp_2m",
+                                                           cuda_graphs=graphs, latents=latents)
+        results.append((latents, finished, failed))
+    (eager, n0, f0), (graphed, n1, f1) = results
+    worst = max((float((graphed[k].float() - eager[k].float()).norm() / eager[k].float().norm())
+                 for k in eager if k in graphed), default=float("inf"))
+    check("graphs", "bucketed: CUDA graphs vs eager, 5 requests x 6 steps", "max rel L2", worst,
+          n0 == n1 == 5 and f0 == f1 == 0 and worst < 1e-3,
+          f"{run_engine_steps.graphs} graphs captured; same kernels, so only capture-order rounding may differ")
 
 
 # ---- driver ---------------------------------------------------------------------------------------------------
@@ -812,6 +843,7 @@ PARTS = [  # name, function, needs CUDA
     ("reaper", part_reaper, True),
     ("nosync", part_nosync, True),
     ("unet", part_unet, True),
+    ("graphs", part_graphs, True),
     ("layouts", part_layouts, True),
 ]
 

@@ -149,7 +149,7 @@ def run_once(system: System, pool: ClientPool, schedule: list[dict], duration: f
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="shapes", help="shapes (tiny-sd until its text weights land), tiny-sd, "
+    ap.add_argument("--model", default="shapes", help="shapes (default, the embedded text model), tiny-sd, "
                     "or a StableDiffusionPipeline folder")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
     ap.add_argument("--slots", type=int, default=16)

@@ -23,19 +23,14 @@ PROMPTS = tuple(f"a {color} {shape}" for color in ("red", "green", "blue")
 
 
 def bench_model_folder(name: str, tmp: pathlib.Path) -> tuple[pathlib.Path, str]:
-    """(model folder, label) for `--model`: shapes (tiny-sd while shapes is not yet a
-    text-to-image folder), tiny-sd (built into `tmp`), or a diffusers folder."""
+    """(model folder, label) for `--model`: shapes (the embedded text-to-image model),
+    tiny-sd (a random-weight StableDiffusionPipeline folder built into `tmp`), or a
+    diffusers folder."""
     from engine.models import resolve
-    from engine.models.loading import pipeline_class_of
 
-    if name not in ("tiny-sd",):
+    if name != "tiny-sd":
         path = resolve(name)
-        kind = pipeline_class_of(path)
-        if name != "shapes" or kind == "StableDiffusionPipeline":
-            return path, name if name == "shapes" else path.name
-        print(f"note: the embedded shapes model is still a {kind} folder (its text-to-image weights have not "
-              "landed); benchmarking the tiny random-weight StableDiffusionPipeline folder (tiny-sd) instead",
-              flush=True)
+        return path, name if name == "shapes" else path.name
     from engine.testing.tiny_pipelines import build_sd
 
     folder = pathlib.Path(tmp) / "tiny-sd"

@@ -25,7 +25,13 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
                     help="decode worker processes (default: 0 on a CPU under 16 cores, so decoding takes none "
                          "of the denoiser's cores; 1 on CUDA)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
+    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                    help="the weights' dtype (denoiser, encoders, in-process VAE); latents and solver state stay "
+                         "float32 (default %(default)s; float16 or bfloat16 on a GPU)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before Rejected")
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
+                         "CUDA graph per bucket")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,10 +91,10 @@ def serve(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    log.info("loading model %s on %s", args.model, device)
-    model = load_model(args.model, device)
+    log.info("loading model %s on %s (%s)", args.model, device, args.dtype)
+    model = load_model(args.model, device, dtype=args.dtype)
     config = CoreConfig(slots=args.slots, layout=args.layout, admission=args.admission,
-                        max_queue=args.max_queue, device=device)
+                        max_queue=args.max_queue, device=device, cuda_graphs=args.cuda_graphs)
     if args.inject_faults:
         from engine.testing.faults import FaultyModel, parse_spec
 

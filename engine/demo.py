@@ -57,7 +57,7 @@ def grid(images: list[np.ndarray | None], labels: list[str], columns: int = 5, s
     from PIL import Image, ImageDraw
 
     size = next((im.shape[0] for im in images if im is not None), 32) * scale
-    text_h = 26
+    text_h = 11 * max(text.count("\n") + 1 for text in labels) + 4
     cell_w, cell_h = max(size, 150) + 6, size + text_h + 6
     rows = -(-len(images) // columns)
     canvas = Image.new("RGB", (columns * cell_w + 6, rows * cell_h + 6), (255, 255, 255))
@@ -110,10 +110,11 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
             images.append(np.asarray(Image.open(io.BytesIO(result.output)).convert("RGB")))
         else:
             images.append(None)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid(images, [label(spec) for spec in requests])).save(out_path)
-
     looks = _classify(images) if welcome.model == "shapes" else [""] * len(images)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    labels = [label(spec) + (f"\nreads: {look}" if look else "") for spec, look in zip(requests, looks)]
+    Image.fromarray(grid(images, labels)).save(out_path)
+
     header = (f"{'#':>2} {'prompt':<18} {'sampler':<15} {'steps':>5} {'g':>3} {'result':<9} {'queue_s':>8} "
               f"{'encode_s':>8} {'denoise_s':>9} {'dec_wait':>8} {'decode_s':>8} {'total_s':>8} {'evals':>5} "
               f"{'padded':>6}  looks like")
@@ -159,6 +160,10 @@ def engine_command(args: argparse.Namespace, address: str) -> list[str]:
                *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
     if args.device:
         command += ["--device", args.device]
+    if not args.cuda_graphs:
+        command += ["--no-cuda-graphs"]
+    if args.dtype != "float32":
+        command += ["--dtype", args.dtype]
     return command
 
 

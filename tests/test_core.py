@@ -190,6 +190,17 @@ MIXED = {  # step() call at which each arrives
 }
 
 
+def run_mixed_against_reference(model, core: EngineCore) -> "Driver":
+    """Drive MIXED through `core`; every request must finish equal to the reference."""
+    d = Driver(core)
+    d.run(MIXED)
+    params = {rid: p for batch in MIXED.values() for rid, p in batch}
+    assert set(d.finished) == set(params)
+    for rid, p in params.items():
+        assert_reference(model, d.finished[rid], p)
+    return d
+
+
 @pytest.mark.parametrize("admission", ADMISSIONS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mixed_group_equals_reference(model, layout, admission):
@@ -222,12 +233,7 @@ def test_the_cuda_host_path_on_cpu_tensors_equals_reference(model, layout):
     staging ring (one upload a step), final latents through fence-gated copies."""
     core = EngineCore(model, CoreConfig(slots=3, layout=layout))
     core.staged_uploads = core.async_copies = True
-    d = Driver(core)
-    d.run(MIXED)
-    params = {rid: p for batch in MIXED.values() for rid, p in batch}
-    assert set(d.finished) == set(params)
-    for rid, p in params.items():
-        assert_reference(model, d.finished[rid], p)
+    run_mixed_against_reference(model, core)
     (group,) = core.groups.values()
     assert group.staging is not None and group.staging.uploads == core.batches
     assert_drained(core)
@@ -788,3 +794,80 @@ def test_fairness_across_latent_shapes(model):
         assert_reference(model, d.finished[rid], p)
     assert tuple(d.finished["b0"].latents.shape) == (4, 16, 16)
     assert_drained(core)
+
+
+# ---- CUDA graphs (bucketed layout), through the capture contract on CPU ----------------------
+
+def test_bucketed_graphs_replay_equals_eager_reference(model):
+    """One graph per bucket size, captured once on fixed buffers and replayed with each
+    step's latents, timesteps and conditioning copied in (`EagerCapture` re-runs the
+    function on the captured buffers, so a stale or missing copy-in shows as a wrong
+    result). Mixed requests joining late change the bucket as they go."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+
+    core = EngineCore(model, CoreConfig(slots=3, layout="bucketed"))
+    capture = EagerCapture()
+    core.graphed = GraphedDenoiser(model, capture)
+    run_mixed_against_reference(model, core)
+    # buckets of 1, 2, 4 and 6 rows (3 slots × 2): at most one capture each, replayed at every step
+    sizes = {key[0][0][0] for key in core.graphed.graphs}
+    assert capture.captures == len(core.graphed.graphs) == len(sizes) and sizes <= {1, 2, 4, 6}, sizes
+    assert core.graphed.replays == core.batches > capture.captures
+    assert_drained(core)
+
+
+def test_graph_capture_failure_runs_that_size_eagerly(model):
+    from engine.core.graphs import GraphedDenoiser
+    from engine.testing.faults import FaultyModel
+
+    class Refuses:
+        def capture(self, fn, inputs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    core = EngineCore(model, CoreConfig(slots=2, layout="bucketed"))
+    core.graphed = GraphedDenoiser(model, Refuses())
+    p = P("a green square", 4, "dpmpp_2m", 3.0, 5)
+    core.add_request("r", p)
+    d = Driver(core)
+    while core.has_unfinished_requests():
+        d.step()
+    assert_reference(model, d.finished["r"], p)
+    assert len(core.graphed.failed) == 1 and not core.graphed.graphs and core.graphed.replays == 0
+    # only models that split conditioning from the denoiser call are captured: a wrapper
+    # with its own `denoise` (fault injection) must keep running it
+    assert GraphedDenoiser.supports(model) and not GraphedDenoiser.supports(FaultyModel(model))
+    assert EngineCore(model, CoreConfig(slots=2, layout="bucketed")).graphed is None  # CPU: no CUDA graphs
+
+
+def test_step_sleeps_on_a_fence_when_launches_are_all_it_has(model):
+    """Nothing to launch, a launch still in flight: step() waits on its fence for at most
+    `fence_wait_s` (a sleeping wait on CUDA) instead of returning at once for the busy
+    loop to spin on query()."""
+    from engine.core.fences import DeferredFence
+
+    waits = []
+
+    class WatchedFence(DeferredFence):
+        __slots__ = ()
+
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return self.released
+
+    class WatchedFences(DeferredFences):
+        def record(self):
+            fence = WatchedFence(len(self.pending))
+            self.pending.append(fence)
+            return fence
+
+    fences = WatchedFences()
+    core = EngineCore(model, CoreConfig(slots=2, fence_wait_s=0.003), fences=fences)
+    core.add_request("r", P("a red circle", 2, "euler", 3.0, 1))
+    core.step()
+    core.step()  # both steps launched (the host runs ahead of the fences)
+    assert waits == [] and len(core.inflight) == 2
+    core.step()  # nothing runnable, both launches in flight: sleeps on the oldest fence
+    assert waits == [0.003] and len(core.inflight) == 2
+    fences.release_all()
+    outputs = core.step()  # reaped and published: nothing waits
+    assert waits == [0.003] and any(isinstance(o, DenoiseFinished) for o in outputs)

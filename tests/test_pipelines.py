@@ -239,3 +239,28 @@ def test_bad_prompts_are_rejected_naming_the_field(folders, field, value):
     assert info.value.field == field
     core.add_request("ok", params)  # nothing else lost
     assert run(core, {})["ok"].shape == (4, 8, 8)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["sd-ddim", "sd3"])
+def test_half_precision_weights_keep_float32_latents(folders, name):
+    """`--dtype bfloat16`: the weights (denoiser, encoders, VAE) in bf16, the engine's latents
+    and solver state in fp32; the result stays near the fp32 pipeline's (bf16 keeps 8 bits
+    of mantissa, so not within the fp32 tolerance), and a bad dtype names the field."""
+    folder = folders[name]
+    model = load_model(folder, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert {p.dtype for p in model.denoiser.parameters()} >= {torch.bfloat16}
+    assert model.conditioning_layout[2] == "torch.bfloat16" and model.vae.dtype == torch.bfloat16
+    params = GenerateParams(prompt="a red circle", negative_prompt="blurry", steps=5, sampler="dpmpp_2m",
+                            guidance=3.0, seed=3, output="latent")
+    got = run(EngineCore(model, CoreConfig(slots=2)), {"r": params})["r"]
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    want = pipeline_output(folder, "dpmpp_2m", "a red circle", 5, 3.0, 3, negative_prompt="blurry")
+    err = rel_l2(got, want)
+    print(f"{name} bf16 weights vs fp32 pipeline: relative L2 {err:.2e}")
+    assert 0 < err < 0.05, err
+    image, shape, dtype = postprocess(model, torch.from_numpy(got), "uint8")  # the bf16 VAE decodes it
+    assert dtype == "uint8" and image.shape == shape and shape[2] == 3
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(folder, dtype="float8")

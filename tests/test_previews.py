@@ -43,6 +43,42 @@ def test_core_publishes_x0_estimates_at_evenly_spaced_steps(tmp_path):
     assert errs[-1] < errs[0] and errs[-1] < 0.5, errs
 
 
+@pytest.mark.timeout(120)
+def test_previews_leave_by_fence_gated_copies_on_the_cuda_path(tmp_path):
+    """The CUDA path (run on CPU tensors with deferred fences): a preview is copied to the
+    host behind its step's fence, so nothing drains the stream, and published only after
+    that fence; its values equal the synchronous path's."""
+    from engine.core.fences import DeferredFences
+    from engine.models.loading import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(build_sd(tmp_path / "sd", scheduler="ddim"))
+    params = GenerateParams(prompt="a red circle", steps=6, sampler="dpmpp_2m", guidance=3.0, output="latent")
+    runs = {}
+    for async_path in (False, True):
+        fences = DeferredFences()
+        core = EngineCore(model, CoreConfig(slots=1), fences=fences)
+        core.async_copies = async_path
+        copies = []
+        copy_to_host = core._copy_to_host
+        core._copy_to_host = lambda tensor: copies.append(tensor.shape) or copy_to_host(tensor)
+        core.add_request("r", params, partial_images=2)
+        previews = []
+        while core.has_unfinished_requests():
+            outs = core.step()
+            previews += [o for o in outs if isinstance(o, PreviewReady)]
+            for out in outs:
+                if isinstance(out, DenoiseFinished):
+                    core.decode_done(out.request_id)
+            fences.release_all()
+        runs[async_path] = previews, len(copies)
+    (sync, sync_copies), (copied, async_copies) = runs[False], runs[True]
+    assert sync_copies == 0 and async_copies == 3  # two previews and the final latents
+    assert [p.step for p in sync] == [p.step for p in copied] == [2, 4]
+    for a, b in zip(sync, copied):
+        assert torch.equal(a.latents, b.latents)
+
+
 @pytest.mark.timeout(60)
 def test_partial_images_arrive_before_completed_over_the_wire():
     with fake_engine("--step-delay", "0.01") as engine, Client(engine.address) as client:

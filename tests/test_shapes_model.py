@@ -1,25 +1,17 @@
-"""The embedded `shapes` model is real: its samples are recognisably their prompt, as read
-by a classifier that says "unknown" to look-alikes.
-
-Two models: the class-conditional one the engine serves as `shapes` today
-(`weights/`), and its text-to-image successor (`weights_t2i/`, a plain diffusers
-`StableDiffusionPipeline`), whose tests run once `python -m engine.models.shapes.train`
-has written it."""
+"""The embedded `shapes` model is real: a plain diffusers `StableDiffusionPipeline` folder
+(`engine/models/shapes/weights/`) whose samples are recognisably their prompt, with
+diffusers alone and served by the engine, as read by a classifier that says "unknown" to
+look-alikes."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
+from engine.models import SHAPES_DIR, resolve
 from engine.models.shapes.classify import UNKNOWN, classify
-from engine.models.shapes.draw import CONDITIONS, DISTRACTORS, draw, draw_distractors
-from engine.models.shapes.sample import (
-    PROMPTS,
-    T2I_DIR,
-    load_pipeline,
-    prompt_condition,
-    sample,
-)
+from engine.models.shapes.draw import CONDITIONS, DISTRACTORS, PROMPTS, draw, draw_distractors
+from engine.models.shapes.sample import load_pipeline, prompt_condition, sample
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,59 +45,56 @@ def test_classifier_rejects_blank_and_swapped_colours():
     assert accuracy < 0.5
 
 
-requires_t2i = pytest.mark.skipif(
-    not (T2I_DIR / "model_index.json").exists(),
-    reason="the text-to-image shapes model is not trained yet: python -m engine.models.shapes.train")
-
-
-@torch.no_grad()
-def _sample_class_conditional(model, prompts, steps: int, guidance: float, seed: int) -> np.ndarray:
-    """DESIGN.md section 3's class-conditional loop, batched, with diffusers' own
-    DPMSolverMultistepScheduler (dpmpp_2m), as a pipeline call would run it."""
-    from engine.core.solvers import init_noise_sigma, make_scheduler
-
-    sched = make_scheduler("dpmpp_2m", model.scheduler_config)
-    sched.set_timesteps(steps)
-    gen = torch.Generator("cpu").manual_seed(seed)
-    size = model.native_size
-    x = torch.randn((len(prompts), *model.latent_shape(size, size)), generator=gen) * init_noise_sigma(sched)
-    rows = model.encode(list(prompts) + [""] * len(prompts))
-    for t in sched.timesteps:
-        x_in = sched.scale_model_input(torch.cat([x, x]), t)
-        cond, uncond = model.denoise(x_in, t, rows).chunk(2)
-        x = sched.step(uncond + guidance * (cond - uncond), t, x, generator=gen).prev_sample
-    return model.decode(x)
-
-
-def test_served_class_conditional_model_samples_are_their_prompt():
-    """The model `python -m engine serve` loads as `shapes`: diffusers' DPMSolverMultistep,
-    20 steps, guidance 3, 16 samples per prompt from a fresh seed."""
-    from engine.models.loading import load_model
+def test_served_engine_samples_are_their_prompt():
+    """What `python -m engine serve` serves as `shapes`: the engine core on the folder, 4
+    samples per prompt sharing batches (dpmpp_2m, 20 steps, guidance 3, fresh seeds),
+    decoded by the engine's decode path; and one request equals the pipeline call."""
+    from engine.core import CoreConfig, DenoiseFinished, EngineCore
+    from engine.decode.stage import postprocess
+    from engine.models.loading import StableDiffusionModel, load_model
+    from engine.protocol import GenerateParams
+    from engine.testing.pipeline_oracle import pipeline_output
 
     torch.set_num_threads(2)
     model = load_model("shapes")
-    assert list(model.prompts[:-1]) == list(CONDITIONS) and model.prompts[-1] == ""
-    prompts = [c for c in CONDITIONS for _ in range(16)]
-    seed = int(np.random.default_rng().integers(2**31))
-    readings = classify(_sample_class_conditional(model, prompts, steps=20, guidance=3.0, seed=seed))
-    misses = [f"{p} -> {r}" for p, r in zip(prompts, readings) if r != p]
-    accuracy = 1 - len(misses) / len(prompts)
-    print(f"class-conditional shapes model: {accuracy:.3f} of {len(prompts)} samples read as their prompt "
-          f"(seed {seed}); missed: {misses}")
-    assert accuracy >= 0.95, misses
+    assert isinstance(model, StableDiffusionModel)
+    base = int(np.random.default_rng().integers(2**31 - 1000))
+    params = {f"r{i}": GenerateParams(prompt=p, steps=20, sampler="dpmpp_2m", guidance=3.0, seed=base + i,
+                                      output="uint8")
+              for i, p in enumerate(p for p in PROMPTS for _ in range(4))}
+    core = EngineCore(model, CoreConfig(slots=16, max_queue=len(params)))
+    for rid, p in params.items():
+        core.add_request(rid, p)
+    images, latents = {}, {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if isinstance(out, DenoiseFinished):
+                latents[out.request_id] = out.latents
+                images[out.request_id] = postprocess(model, out.latents, "uint8")[0]
+                core.decode_done(out.request_id)
+    readings = dict(zip(images, classify(np.stack(list(images.values())))))
+    misses = [f"{params[r].prompt} -> {look}" for r, look in readings.items()
+              if look != prompt_condition(params[r].prompt)]
+    accuracy = 1 - len(misses) / len(params)
+    print(f"served shapes model: {accuracy:.3f} of {len(params)} samples read as their prompt (seeds from {base}); "
+          f"missed: {misses}")
+    assert accuracy >= 0.9, misses
+    want = pipeline_output(SHAPES_DIR, "dpmpp_2m", params["r0"].prompt, 20, 3.0, base)
+    err = float(np.linalg.norm(latents["r0"].numpy() - want) / np.linalg.norm(want))
+    assert err <= 1e-4, err  # it shared its batches with 15 others
 
 
-@requires_t2i
 def test_model_folder_is_a_stable_diffusion_pipeline():
-    index = json.loads((T2I_DIR / "model_index.json").read_text())
+    assert resolve("shapes") == SHAPES_DIR
+    index = json.loads((SHAPES_DIR / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusionPipeline"
     for part in ("tokenizer", "text_encoder", "unet", "vae", "scheduler"):
-        assert (T2I_DIR / part).is_dir(), part
-    total = sum(f.stat().st_size for f in T2I_DIR.rglob("*") if f.is_file())
+        assert (SHAPES_DIR / part).is_dir(), part
+    total = sum(f.stat().st_size for f in SHAPES_DIR.rglob("*") if f.is_file())
     assert total <= 30 * 2**20, f"weights are {total / 2**20:.1f} MiB"
     from transformers import CLIPTokenizer
 
-    tok = CLIPTokenizer.from_pretrained(T2I_DIR / "tokenizer")
+    tok = CLIPTokenizer.from_pretrained(SHAPES_DIR / "tokenizer")
     assert tok.model_max_length == 16
     for word in {w for p in PROMPTS for w in p.split()}:
         assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
@@ -114,14 +103,14 @@ def test_model_folder_is_a_stable_diffusion_pipeline():
         assert len(ids) == 16 and ids[0] == tok.bos_token_id, prompt
 
 
-@requires_t2i
 def test_samples_are_their_prompt():
-    """diffusers' DPMSolverMultistep, 20 steps, guidance 3, from a fresh seed.
+    """`StableDiffusionPipeline.from_pretrained(resolve("shapes"))` with diffusers'
+    DPMSolverMultistep, 20 steps, guidance 3, from a fresh seed.
 
     16 per prompt: with 192 samples, a model that is really 98% right fails the 95% bar by
     chance well under 1% of the time, while a model that is really below it fails."""
     torch.set_num_threads(2)
-    pipe = load_pipeline(T2I_DIR, "dpm")
+    pipe = load_pipeline(SHAPES_DIR, "dpm")
     prompts = [p for p in PROMPTS for _ in range(16)]
     seed = int(np.random.default_rng().integers(2**31))
     print(f"seed {seed}")

@@ -21,6 +21,8 @@ class CoreConfig:
     output_budget_bytes: int | None = None  # default: `slots + decode_buffers` native outputs
     device: str = "cpu"
     embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse (R14)
+    cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
+    fence_wait_s: float = 0.002  # longest sleep on a fence when nothing else can run (input latency bound)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

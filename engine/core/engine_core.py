@@ -30,6 +30,7 @@ from engine.core.config import CoreConfig
 from engine.core.device import PinnedBuffers, RunAhead, StepTimer
 from engine.core.encode import EmbeddingCache
 from engine.core.fences import fences_for
+from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
 from engine.core.interface import ModelInfo
 from engine.core.kernels import update_slots
 from engine.core.ledger import Ledger, reservation_for
@@ -80,6 +81,7 @@ class EngineCore:
         self.batches = 0
         self.stats_counters = collections.Counter()
         self.group_wait_max = 0  # head-of-line blocking: most batches a runnable group waited
+        self.denoiser_s = 0.0  # host seconds inside one-call denoiser steps: on a CPU, its busy time
         self.timer = StepTimer(self.device)  # device time per step (host time says nothing on CUDA)
         # CUDA: the host prepares step n+1 while the device runs step n, at most two launches ahead
         self.window = RunAhead(2) if self.device.type == "cuda" else None
@@ -88,6 +90,11 @@ class EngineCore:
         self.copies: list[tuple] = []  # (fence, group, slot, request, host buffer): final latents on their way out
         self._schedules: dict[tuple[str, int], Schedule] = {}  # (sampler, steps) → schedule at guidance 1
         self.row_limit: int | None = None  # rows per denoiser call, once the device ran out of memory
+        # bucketed layout on CUDA: each bucket's denoiser call is captured once and replayed
+        self.graphed: GraphedDenoiser | None = None
+        if self.config.cuda_graphs and self.config.layout == "bucketed" and self.device.type == "cuda" \
+                and GraphedDenoiser.supports(model):
+            self.graphed = GraphedDenoiser(model, CudaGraphCapture(self.device))
         # denoiser evaluations a schedule may take: generic schedulers may run more than one per
         # step (PNDM one more, Heun 2 × steps − 1)
         self.schedule_capacity = 2 * self.config.max_steps + 1
@@ -146,6 +153,8 @@ class EngineCore:
         group = self._pick_group()
         if group is not None and (self.window is None or self.window.wait_for_room()):
             self._run_batch(group)
+        elif group is None and not self.outputs:
+            self._wait_for_device()
         self._reap()
         outputs, self.outputs = self.outputs, []
         return outputs
@@ -204,6 +213,7 @@ class EngineCore:
             "rejected_full": c["rejected_full"],
             "completed": c["completed"],
             "max_group_wait_batches": self.group_wait_max,
+            "denoiser_s": self.denoiser_s,
             "reserved_trajectory_bytes": self.ledger.used.trajectory_bytes,
             "reserved_output_bytes": self.ledger.used.output_bytes,
             "reserved_decode_buffers": self.ledger.used.decode_buffers,
@@ -364,7 +374,8 @@ class EngineCore:
         noise_row[noisy] = np.arange(noisy.size)
         kernel_slots = act[kernel]
         if noisy.size:
-            noise = torch.cat([group.requests[s].trajectory.step_noise().reshape(1, -1) for s in kernel_slots[noisy]])
+            requests = group.requests
+            noise = torch.stack([requests[s].trajectory.step_noise() for s in kernel_slots[noisy].tolist()])
             noise = noise.to(self.device, non_blocking=True)
         else:
             noise = torch.empty(0, device=self.device)
@@ -426,6 +437,8 @@ class EngineCore:
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
             self._step_generic(group, batch, out, previews)
+        if previews and self.async_copies:  # to the host behind this step's fence, not by a draining .to("cpu")
+            previews = {slot: None if x0 is None else self._copy_to_host(x0) for slot, x0 in previews.items()}
         # one reduction per step over the group's slots, read by the reaper after the fence: no
         # per-slot device sync, no host-to-device copy
         finite = torch.isfinite(group.latents).all(1)
@@ -458,8 +471,11 @@ class EngineCore:
         once the device has run out of memory for more."""
         n = len(batch.row_slot)
         if rows is None and (self.row_limit is None or self.row_limit >= n):  # the common case: one call
-            return self.model.denoise(x_in.to(self.model.dtype), batch.row_timestep,
-                                      batch.row_conditioning).reshape(n, -1)
+            denoise = self.graphed or self.model.denoise
+            started = time.perf_counter()
+            out = denoise(x_in.to(self.model.dtype), batch.row_timestep, batch.row_conditioning)
+            self.denoiser_s += time.perf_counter() - started  # on CUDA: the launches' host time
+            return out.reshape(n, -1)
         rows = list(range(n)) if rows is None else rows
         limit = self.row_limit or len(rows)
         outs = []
@@ -617,6 +633,14 @@ class EngineCore:
 
     # ---- the reaper ----------------------------------------------------------------
 
+    def _wait_for_device(self) -> None:
+        """Nothing to launch, only launches or copies in flight: sleep on the oldest fence
+        for at most `fence_wait_s` instead of letting the busy loop spin on `query()`. The
+        bound keeps new submissions and cancels waiting no longer than that."""
+        pending = [entry[0] for entry in self.inflight[:1] + self.copies[:1]]
+        if pending:
+            min(pending, key=lambda fence: fence.seq).wait(self.config.fence_wait_s)
+
     def _reap(self) -> None:
         """Act on every launch whose fence is done; a report whose (slot, epoch) no longer
         matches is stale: dropped and counted."""
@@ -647,7 +671,7 @@ class EngineCore:
                 if rep.preview is not None:
                     self.outputs.append(PreviewReady(
                         request.request_id, request.preview_steps.index(rep.step), rep.step, request.trajectory.total,
-                        rep.preview.to("cpu").view(request.latent_shape)))
+                        rep.preview.to("cpu").view(request.latent_shape)))  # on CUDA already on the host
                 if rep.final:
                     self._publish(rep.group, rep.slot, request)
         self.inflight = still
@@ -659,9 +683,15 @@ class EngineCore:
         if not self.async_copies:
             self._published(group, slot, request, group.latents[slot].to("cpu", copy=True))
             return
-        host = torch.empty(group.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        host.copy_(group.latents[slot], non_blocking=True)
+        host = self._copy_to_host(group.latents[slot])
         self.copies.append((self.fences.record(), group, slot, request, host))
+
+    def _copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy into fresh page-locked memory, complete once the next fence
+        recorded on this stream is done."""
+        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        host.copy_(tensor, non_blocking=True)
+        return host
 
     def _finish_copies(self) -> None:
         still = []

@@ -326,7 +326,7 @@ class Trajectory:
     """
 
     __slots__ = ("schedule", "generator", "latent_shape", "step", "scheduler", "_step_kwargs", "_noise",
-                 "_noise_from")
+                 "_noise_from", "_noise_rows", "_numel")
 
     def __init__(self, schedule: Schedule, seed: int, latent_shape: tuple[int, ...]):
         self.schedule = schedule
@@ -336,8 +336,9 @@ class Trajectory:
         # generic path: the request's own scheduler object (its step index and history)
         self.scheduler = copy.deepcopy(schedule.scheduler) if schedule.scheduler is not None else None
         self._step_kwargs = None
-        self._noise: torch.Tensor | None = None  # a block of steps' noise, drawn ahead (see `step_noise`)
-        self._noise_from = 0
+        self._noise: tuple[torch.Tensor, ...] = ()  # a block of steps' noise rows, drawn ahead (`step_noise`)
+        self._noise_from = self._noise_rows = 0  # plain ints: this is on the per-step path
+        self._numel = math.prod(latent_shape)
 
     def scale_model_input(self, x: torch.Tensor, t) -> torch.Tensor:
         """Generic path: the model input of this step, as the pipeline computes it."""
@@ -364,14 +365,16 @@ class Trajectory:
         generator's stream, so for a multiple of 16 values one draw of k rows equals k draws
         of one row, bit for bit (tests compare with diffusers' own loop); other sizes keep
         drawing step by step."""
-        numel = math.prod(self.latent_shape)
-        if numel % 16:
-            return torch.randn(self.latent_shape, generator=self.generator, dtype=torch.float32)
-        if self._noise is None or not self._noise_from <= self.step < self._noise_from + len(self._noise):
-            rows = min(NOISE_BLOCK, self.schedule.steps - self.step)
-            self._noise = torch.randn((rows, numel), generator=self.generator, dtype=torch.float32)
-            self._noise_from = self.step
-        return self._noise[self.step - self._noise_from]
+        k = self.step - self._noise_from
+        if 0 <= k < self._noise_rows:
+            return self._noise[k]
+        if self._numel % 16:
+            return torch.randn(self._numel, generator=self.generator, dtype=torch.float32)
+        self._noise_rows = min(NOISE_BLOCK, self.schedule.steps - self.step)
+        block = torch.randn((self._noise_rows, self._numel), generator=self.generator, dtype=torch.float32)
+        self._noise = block.unbind(0)  # row views in a tuple: indexing it costs no tensor op
+        self._noise_from = self.step
+        return self._noise[0]
 
     @property
     def total(self) -> int:

@@ -1,6 +1,7 @@
 """The decode stage on a thread of the engine process (`--decode-workers 0`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -9,6 +10,7 @@ import time
 from typing import Callable
 
 import msgspec
+import torch
 
 from engine.decode.stage import CANCELED, DecodedOutput, postprocess
 from engine.protocol import GenerateParams, Timings
@@ -57,6 +59,16 @@ class InProcessDecodeStage:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # On CUDA the decode gets a stream of its own, so it runs beside the denoising steps
+        # instead of queueing behind them on the default stream (and its `.cpu()` waits for
+        # the decode alone).
+        device = getattr(self.model, "device", None)
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        stream = torch.cuda.Stream(device) if on_cuda else None
+        with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+            self._decode_loop()
+
+    def _decode_loop(self) -> None:
         while (job := self._todo.get()) is not None:
             request_id, latents, params, timings, ready_at = job
             start = time.monotonic()

@@ -156,6 +156,14 @@ class DiffusionModel:
 
     def denoise(self, x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning]) -> torch.Tensor:
         """One batched denoiser call: rows of latents, per-row timesteps and conditioning."""
+        return self.denoise_stacked(x, t, *self.stack_conditioning(rows))
+
+    def stack_conditioning(self, rows: Sequence[Conditioning]) -> tuple[torch.Tensor, ...]:
+        """The rows' conditioning as the denoiser's batched tensors. Kept apart from
+        `denoise_stacked` so a CUDA graph can capture the denoiser on fixed buffers."""
+        raise NotImplementedError
+
+    def denoise_stacked(self, x: torch.Tensor, t: torch.Tensor, *conditioning: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -208,17 +216,21 @@ class ClassConditionalModel(DiffusionModel):
     def encode(self, prompts: Sequence[str]) -> list[Conditioning]:
         return [Conditioning(torch.tensor(self.condition_index(p), device=self.device)) for p in prompts]
 
-    def denoise(self, x, t, rows):
-        labels = torch.stack([c.hidden for c in rows])
+    def stack_conditioning(self, rows):
+        return (torch.stack([c.hidden for c in rows]),)
+
+    def denoise_stacked(self, x, t, labels):
         return self.denoiser(x, t, class_labels=labels).sample
 
 
 class _PipelineModel(DiffusionModel):
     """A text-to-image pipeline folder: the pipeline object owns the components."""
 
-    def __init__(self, path: pathlib.Path, pipe, device: torch.device):
+    def __init__(self, path: pathlib.Path, pipe, device: torch.device, dtype: torch.dtype | None = None):
         self.path, self.pipe, self.device = path, pipe, device
-        self.dtype = self.denoiser.dtype
+        # the requested dtype: `denoiser.dtype` is its first parameter's, and diffusers keeps
+        # some modules in float32 (`_keep_in_fp32_modules`)
+        self.dtype = dtype or self.denoiser.dtype
         self.vae = pipe.vae
         self.scheduler_config = dict(pipe.scheduler.config)
         self.scheduler_config["_class_name"] = type(pipe.scheduler).__name__
@@ -244,8 +256,10 @@ class StableDiffusionModel(_PipelineModel):
         embeds, _ = self.pipe.encode_prompt(list(prompts), self.device, 1, False)
         return [Conditioning(e) for e in embeds]
 
-    def denoise(self, x, t, rows):
-        hidden = torch.stack([c.hidden for c in rows])
+    def stack_conditioning(self, rows):
+        return (torch.stack([c.hidden for c in rows]),)
+
+    def denoise_stacked(self, x, t, hidden):
         return self.pipe.unet(x, t, encoder_hidden_states=hidden, return_dict=False)[0]
 
 
@@ -272,9 +286,10 @@ class StableDiffusion3Model(_PipelineModel):
             max_sequence_length=self.max_sequence_length)
         return [Conditioning(e, p) for e, p in zip(embeds, pooled)]
 
-    def denoise(self, x, t, rows):
-        hidden = torch.stack([c.hidden for c in rows])
-        pooled = torch.stack([c.pooled for c in rows])
+    def stack_conditioning(self, rows):
+        return torch.stack([c.hidden for c in rows]), torch.stack([c.pooled for c in rows])
+
+    def denoise_stacked(self, x, t, hidden, pooled):
         return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=hidden,
                                      pooled_projections=pooled, return_dict=False)[0]
 
@@ -287,24 +302,33 @@ def pipeline_class_of(path: pathlib.Path) -> str:
     return json.loads(index.read_text()).get("_class_name", "") if index.exists() else "class-conditional"
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def load_model(name_or_path: str | pathlib.Path = "shapes", device: str | torch.device = "cpu",
-               load_vae: bool = True) -> DiffusionModel:
-    """The model of a folder (or the embedded `shapes`), ready for the core."""
+               load_vae: bool = True, dtype: torch.dtype | str = torch.float32) -> DiffusionModel:
+    """The model of a folder (or the embedded `shapes`), ready for the core. `dtype` is the
+    weights' (and so the denoiser's and encoders') dtype, as `torch_dtype` in
+    `from_pretrained`; the engine's latents and solver state stay float32 either way."""
     path = resolve(name_or_path)
     device = torch.device(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
     kind = pipeline_class_of(path)
     if kind == "class-conditional":
         from diffusers import AutoencoderKL, UNet2DModel
 
-        unet = UNet2DModel.from_pretrained(path / "unet", low_cpu_mem_usage=False)
+        unet = UNet2DModel.from_pretrained(path / "unet", low_cpu_mem_usage=False, torch_dtype=dtype)
         vae = None
         if load_vae:
-            vae = AutoencoderKL.from_pretrained(path / "vae", low_cpu_mem_usage=False)
+            vae = AutoencoderKL.from_pretrained(path / "vae", low_cpu_mem_usage=False, torch_dtype=dtype)
             vae = vae.to(device).eval().requires_grad_(False)
         scheduler_config = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
         conditions = json.loads((path / "conditions.json").read_text())
         return ClassConditionalModel(path, unet.to(device).eval().requires_grad_(False), vae, scheduler_config,
-                                     conditions, device)
+                                     conditions, device, dtype)
     model_class = _PIPELINES.get(kind)
     if model_class is None:
         raise ValueError(f"{path}: pipeline {kind!r} is not served; one of {', '.join(_PIPELINES)} "
@@ -315,11 +339,17 @@ def load_model(name_or_path: str | pathlib.Path = "shapes", device: str | torch.
     # optional components saved as None (SD3 without T5) must be passed as None to load
     absent = {name: None for name, value in index.items()
               if not name.startswith("_") and isinstance(value, list) and value[0] is None}
-    pipe = getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False, **absent)
+    pipe = getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False, torch_dtype=dtype, **absent)
     pipe.set_progress_bar_config(disable=True)
+    for component in pipe.components.values():
+        # diffusers loads some models (SD3's transformer, with low_cpu_mem_usage=False) in
+        # float32 whatever torch_dtype says; modules that keep parts in float32 on purpose
+        # (T5's `wo`) say so and are left as loaded
+        if isinstance(component, torch.nn.Module) and not getattr(component, "_keep_in_fp32_modules", None):
+            component.to(dtype)
     pipe = pipe.to(device)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval().requires_grad_(False)
-    return model_class(path, pipe, device)
+    return model_class(path, pipe, device, dtype)
 

@@ -13,6 +13,7 @@ COLORS = ("red", "green", "blue")
 SHAPES = ("circle", "square", "triangle", "cross")
 CONDITIONS = tuple(f"{c} {s}" for c in COLORS for s in SHAPES)
 NULL_CONDITION = ""
+PROMPTS = tuple(f"a {c}" for c in CONDITIONS)  # "a red circle", ...: what the text model is trained on
 SIZE = 32
 _RGB = np.array([[0.9, 0.1, 0.1], [0.1, 0.85, 0.1], [0.1, 0.15, 0.95]], dtype=np.float32)
 

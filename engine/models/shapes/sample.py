@@ -1,4 +1,4 @@
-"""Sample the text-to-image `shapes` model with diffusers alone and save a labelled grid:
+"""Sample the embedded `shapes` model (a `StableDiffusionPipeline` folder) with diffusers alone and save a labelled grid:
 `python -m engine.models.shapes.sample -o shapes_grid.png [--model DIR]`.
 
 `StableDiffusionPipeline.from_pretrained(DIR)` with diffusers' DPMSolverMultistepScheduler
@@ -22,10 +22,9 @@ from diffusers import (
 from PIL import Image, ImageDraw, ImageFont
 
 from engine.models.shapes.classify import classify
-from engine.models.shapes.draw import CONDITIONS
+from engine.models.shapes.draw import PROMPTS
 
-T2I_DIR = pathlib.Path(__file__).resolve().parent / "weights_t2i"
-PROMPTS = tuple(f"a {c}" for c in CONDITIONS)  # "a red circle", ...
+SHAPES_DIR = pathlib.Path(__file__).resolve().parent / "weights"  # engine.models.resolve("shapes")
 
 
 def prompt_condition(prompt: str) -> str:
@@ -33,7 +32,7 @@ def prompt_condition(prompt: str) -> str:
     return prompt.removeprefix("a ")
 
 
-def load_pipeline(folder: str | pathlib.Path = T2I_DIR, scheduler: str = "dpm") -> StableDiffusionPipeline:
+def load_pipeline(folder: str | pathlib.Path = SHAPES_DIR, scheduler: str = "dpm") -> StableDiffusionPipeline:
     pipe = StableDiffusionPipeline.from_pretrained(str(folder))
     if scheduler == "dpm":
         pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
@@ -75,7 +74,7 @@ def labelled_grid(images: np.ndarray, captions: list[list[str]], columns: int, s
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", type=pathlib.Path, default=pathlib.Path("shapes_grid.png"))
-    ap.add_argument("--model", type=pathlib.Path, default=T2I_DIR)
+    ap.add_argument("--model", type=pathlib.Path, default=SHAPES_DIR)
     ap.add_argument("--per-prompt", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--guidance", type=float, default=3.0)

@@ -6,7 +6,9 @@ alone: `tokenizer/` (a `CLIPTokenizer` over a small hand-written byte-level BPE
 vocabulary from `engine.models.vocab`, one token per word, padded to 16), `text_encoder/` (a small `CLIPTextModel`),
 `unet/` (a `UNet2DConditionModel` with cross-attention on the text), `vae/` (the trained
 `AutoencoderKL`, 32×32×3 → 8×8×4, reused from `weights/vae` unless `--train-vae`) and
-`scheduler/` (DDIM, epsilon prediction, scaled-linear betas).
+`scheduler/` (DDIM, epsilon prediction, scaled-linear betas). By default it writes the
+embedded model itself (`engine/models/shapes/weights/`, what `resolve("shapes")` loads),
+reading the VAE from there first.
 
 Training, seeded and reproducible on a given machine and thread count:
 1. (only with `--train-vae`) an `AutoencoderKL` from scratch, MSE reconstruction (an L1
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import pathlib
 import time
@@ -37,11 +40,11 @@ from diffusers import (
 from tqdm import tqdm
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from engine.models.shapes.draw import COLORS, CONDITIONS, NULL_CONDITION, SHAPES, draw
+from engine.models.shapes.draw import COLORS, NULL_CONDITION, PROMPTS, SHAPES, draw
 from engine.models.vocab import write_clip_tokenizer
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "weights_t2i"
+DEFAULT_OUT = HERE / "weights"  # the embedded model itself: `--out` elsewhere to compare runs
 DEFAULT_VAE = HERE / "weights" / "vae"
 WORDS = ("a",) + COLORS + SHAPES
 MAX_LENGTH = 16
@@ -72,7 +75,7 @@ def check_tokenizer(tok: CLIPTokenizer) -> None:
     for word in WORDS:
         ids = tok(word, add_special_tokens=False).input_ids
         assert len(ids) == 1 and ids[0] != tok.unk_token_id, (word, ids)
-    for prompt in (*CONDITIONS, NULL_CONDITION):
+    for prompt in (*PROMPTS, NULL_CONDITION):
         ids = tok(prompt, padding="max_length", max_length=tok.model_max_length, truncation=True).input_ids
         assert len(ids) == MAX_LENGTH == tok.model_max_length, (prompt, ids)
         assert ids[0] == tok.bos_token_id and tok.eos_token_id in ids, (prompt, ids)
@@ -157,11 +160,13 @@ def train_t2i(latents: torch.Tensor, labels: torch.Tensor, tok: CLIPTokenizer, s
         ema_pairs += list(zip(ema_text.parameters(), text_encoder.parameters()))
     noise_sched = DDPMScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "set_alpha_to_one"})
     opt = torch.optim.AdamW(trained, lr=lr, weight_decay=1e-4)
-    # The 12 prompts and "" (last): the encoder runs on these 13 once a step and the batch
-    # gathers its rows, which is the same function as encoding every prompt in the batch.
-    prompt_ids = tok(list(CONDITIONS) + [NULL_CONDITION], padding="max_length", max_length=MAX_LENGTH,
+    # The 12 prompts as users write them ("a red circle": the article shifts every position
+    # a causal text encoder sees, so train on the served phrasing) and "" (last): the
+    # encoder runs on these 13 once a step and the batch gathers its rows, which is the same
+    # function as encoding every prompt in the batch.
+    prompt_ids = tok(list(PROMPTS) + [NULL_CONDITION], padding="max_length", max_length=MAX_LENGTH,
                      truncation=True, return_tensors="pt").input_ids
-    null = len(CONDITIONS)
+    null = len(PROMPTS)
     gen = torch.Generator().manual_seed(seed + 2)
     warmup = 100
     total = steps
@@ -209,7 +214,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     ap.add_argument("--images", type=int, default=30000)
     length = ap.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="UNet/text-encoder steps (default 1200)")
+    length.add_argument("--steps", type=int, help="UNet/text-encoder steps (default 1500)")
     length.add_argument("--minutes", type=float, help="train for about this long instead of --steps")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -225,7 +230,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vae-steps", type=int, default=1000)
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes is None:
-        args.steps = 1200
+        args.steps = 1500
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +253,12 @@ def main(argv=None) -> None:
             scheduler=DDIMScheduler(**SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
             requires_safety_checker=False)
         pipe.save_pretrained(args.out, safe_serialization=True)
+        for config in args.out.glob("*/config.json"):  # the VAE's records the folder it came from
+            text = config.read_text()
+            if '"_name_or_path"' in text:
+                data = json.loads(text)
+                data.pop("_name_or_path")
+                config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         if step is not None:
             tqdm.write(f"checkpoint: EMA after {step} steps -> {args.out}")
 
