@@ -1,5 +1,6 @@
-"""Sample the embedded `shapes` model (a `StableDiffusionPipeline` folder) with diffusers alone and save a labelled grid:
-`python -m engine.models.shapes.sample -o shapes_grid.png [--model DIR]`.
+"""Sample the embedded `shapes` model (a `StableDiffusionPipeline` folder) with diffusers
+alone and save a labelled grid: `python -m engine.models.shapes.sample -o shapes_grid.png
+[--model DIR]`.
 
 `StableDiffusionPipeline.from_pretrained(DIR)` with diffusers' DPMSolverMultistepScheduler
 swapped in (the folder's own DDIM with `--scheduler ddim`); every prompt in one batched
