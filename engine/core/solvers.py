@@ -326,7 +326,7 @@ class Trajectory:
     """
 
     __slots__ = ("schedule", "generator", "latent_shape", "step", "scheduler", "_step_kwargs", "_noise",
-                 "_noise_from", "_noise_rows", "_numel")
+                 "_noise_from", "_numel")
 
     def __init__(self, schedule: Schedule, seed: int, latent_shape: tuple[int, ...]):
         self.schedule = schedule
@@ -337,7 +337,7 @@ class Trajectory:
         self.scheduler = copy.deepcopy(schedule.scheduler) if schedule.scheduler is not None else None
         self._step_kwargs = None
         self._noise: tuple[torch.Tensor, ...] = ()  # a block of steps' noise rows, drawn ahead (`step_noise`)
-        self._noise_from = self._noise_rows = 0  # plain ints: this is on the per-step path
+        self._noise_from = 0
         self._numel = math.prod(latent_shape)
 
     def scale_model_input(self, x: torch.Tensor, t) -> torch.Tensor:
@@ -366,12 +366,12 @@ class Trajectory:
         of one row, bit for bit (tests compare with diffusers' own loop); other sizes keep
         drawing step by step."""
         k = self.step - self._noise_from
-        if 0 <= k < self._noise_rows:
+        if 0 <= k < len(self._noise):  # a tuple: no tensor op on the per-step path
             return self._noise[k]
         if self._numel % 16:
             return torch.randn(self._numel, generator=self.generator, dtype=torch.float32)
-        self._noise_rows = min(NOISE_BLOCK, self.schedule.steps - self.step)
-        block = torch.randn((self._noise_rows, self._numel), generator=self.generator, dtype=torch.float32)
+        rows = min(NOISE_BLOCK, self.schedule.steps - self.step)
+        block = torch.randn((rows, self._numel), generator=self.generator, dtype=torch.float32)
         self._noise = block.unbind(0)  # row views in a tuple: indexing it costs no tensor op
         self._noise_from = self.step
         return self._noise[0]
