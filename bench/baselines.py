@@ -187,7 +187,7 @@ class PipelineBatchCore:
     # ---- validation ----------------------------------------------------------------
 
     def _validate(self, p: GenerateParams) -> tuple:
-        height, width = checked_size(self.model, p, self.config.max_steps)  # as EngineCore rejects it
+        height, width = checked_size(self.model, self.model.geometry, p, self.config.max_steps)  # as EngineCore rejects it
         return (p.steps, p.sampler, float(p.guidance), height, width)
 
     # ---- one pipeline call -----------------------------------------------------------

@@ -10,16 +10,16 @@ folder. For each layout (`padded`,
 with `--slots` slots gets round(f * slots) requests (prompts "a {color} {shape}", guidance
 alternating 1.0 and 3.0, i.e. 1 and 2 rows per slot; samplers euler and dpmpp_2m, both
 deterministic so no noise is drawn; steps enough that nobody finishes) admitted with
-`core._admit()` (its encode phase included); then `core._run_batch(group)` is timed directly. All layouts are measured
+`core.admit()` (its encode phase included); then `core.runner.run(group)` is timed directly. All layouts are measured
 in one run: every repeat runs every (fraction, layout) once, the layouts in a rotating
 order, so machine noise hits all of them alike; the table reports medians over repeats.
 
 Each step is split, without patching anything, into
   denoiser  the `model.denoise` call on the rows computed, timed by the model object the
             core is given (`workload_common.TimedDenoiser`, a wrapper that forwards the rest);
-  host      step − denoiser: everything else `_run_batch` does (row map, input gather, the
+  host      step − denoiser: everything else `runner.run` does (row map, input gather, the
             per-slot update, fence and bookkeeping): the cost of the engine around the model;
-  build     `_build_batch` alone (row map, per-row tables, host→device copies), timed by
+  build     `runner.build_batch` alone (row map, per-row tables, host→device copies), timed by
             calling it once more before the step: the part of `host` that compaction adds.
 Useful evals/s = useful rows (1 or 2 per active slot) / median step time; "vs padded" is
 that rate over padded's at the same fraction.
@@ -61,7 +61,7 @@ from workload_common import PROMPTS, TimedDenoiser, bench_model_folder  # noqa: 
 LAYOUTS = tuple(sorted(ALL_LAYOUTS, key=lambda name: name != "padded"))  # padded first: the baseline row
 FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.25, 1.0)
-MIXED_SAMPLERS = ("euler", "dpmpp_2m")  # deterministic: `_build_batch` draws no noise
+MIXED_SAMPLERS = ("euler", "dpmpp_2m")  # deterministic: `runner.build_batch` draws no noise
 STEPS = 200  # per request; trajectories are rewound before anyone reaches the end
 SMOKE_SLOTS = 8
 
@@ -93,11 +93,11 @@ def _scratch() -> pathlib.Path:
 
 @dataclasses.dataclass
 class Sample:
-    """One timed `_run_batch`, in seconds."""
+    """One timed `runner.run`, in seconds."""
 
     total: float
     denoise: float = math.nan  # the model's denoiser call, as the TimedDenoiser saw it
-    build: float = math.nan  # `_build_batch` alone, called once more before the step
+    build: float = math.nan  # `runner.build_batch` alone, called once more before the step
 
     @property
     def host(self) -> float:
@@ -120,14 +120,14 @@ class StepBench:
             core.add_request(f"bench-{i}", GenerateParams(
                 prompt=prompts[i % len(prompts)], steps=steps, sampler=MIXED_SAMPLERS[(i // 2) % len(MIXED_SAMPLERS)],
                 guidance=1.0 if i % 2 == 0 else 3.0, seed=i, output="latent"))
-        core._admit()
+        core.admit()
         (self.group,) = core.groups.values()
         group: Group = self.group
         if group.active != active or core.queue:
             raise RuntimeError(f"admitted {group.active} of {active} requests")
         self.initial_latents = group.latents.clone()
         self.initial_history = group.history.clone()
-        batch = core._build_batch(group)  # the row map the timed steps will use
+        batch = core.runner.build_batch(group)  # the row map the timed steps will use
         self.rows = len(batch.row_slot)
         self.useful_rows = batch.useful_rows
         self.padded_rows = batch.padded_rows
@@ -146,23 +146,20 @@ class StepBench:
             group.step_index[group.busy] = 0
             group.latents.copy_(self.initial_latents)
             group.history.copy_(self.initial_history)
-            for request in group.requests:
-                if request is not None:
-                    request.trajectory.step = 0
 
     def step(self) -> None:
         """One engine step, exactly as the engine runs it."""
-        self.core._run_batch(self.group)
+        self.core.runner.run(self.group)
 
     def timed_step(self, breakdown: bool = True) -> Sample:
         self.prepare()
         build = math.nan
         if breakdown:
             start = time.perf_counter()
-            self.core._build_batch(self.group)  # no state changes: deterministic samplers draw no noise
+            self.core.runner.build_batch(self.group)  # no state changes: deterministic samplers draw no noise
             build = time.perf_counter() - start
         start = time.perf_counter()
-        self.core._run_batch(self.group)
+        self.core.runner.run(self.group)
         total = time.perf_counter() - start
         return Sample(total=total, denoise=self.timed.last_s, build=build)
 
@@ -259,7 +256,7 @@ def summary(results: list[dict]) -> list[str]:
              f"{len(results)} medians)"]
     builds = [r["build_ms"] for r in results]
     hosts = [r["host_ms"] / r["step_ms"] for r in results]
-    lines.append(f"_build_batch {min(builds):.3f}–{max(builds):.3f} ms; host work (step − denoiser) "
+    lines.append(f"build_batch {min(builds):.3f}–{max(builds):.3f} ms; host work (step − denoiser) "
                  f"{100 * min(hosts):.1f}–{100 * max(hosts):.1f}% of the step")
     for layout in LAYOUTS:
         if layout == "padded":
@@ -343,7 +340,7 @@ def main(argv=None) -> int:
                       progress=lambda i, n: print(f"  repeat {i}/{n}", file=sys.stderr, flush=True)
                       if i % 10 == 0 or i == n else None)
     meta["wall_s"] = round(time.perf_counter() - started, 1)
-    print(f"medians over {repeats} interleaved repeats, one _run_batch each ({meta['wall_s']:.0f} s)")
+    print(f"medians over {repeats} interleaved repeats, one runner.run each ({meta['wall_s']:.0f} s)")
     print(format_table(results))
     for line in summary(results):
         print(line)

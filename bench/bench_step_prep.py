@@ -1,4 +1,4 @@
-"""Per-step preparation: `EngineCore._build_batch` on one group (row map, per-row scale,
+"""Per-step preparation: `Runner.build_batch` on one group (row map, per-row scale,
 timestep and class, per-slot coefficient rows, the noise of stochastic slots, and the
 host→device copies of index and coefficients).
 
@@ -8,7 +8,7 @@ host→device copies of index and coefficients).
 Groups of 8, 64 and 256 active slots on the tiny test model (4×8×8 latents), mixed
 samplers (euler, euler_ancestral, ddim, dpmpp_2m: a quarter of the slots draw noise),
 guidance 1.0 / 3.0 / 7.5 (two thirds of the slots have two rows), each slot at its own
-step. Target (issue 14): ≤ 150 µs for 64 slots on a CPU. The denoiser is not called.
+step. Target: ≤ 150 µs for 64 slots on a CPU. The denoiser is not called.
 """
 from __future__ import annotations
 
@@ -48,38 +48,38 @@ def prepared_core(slots: int, layout: str = "compact", seed: int = 0):
         core.add_request(f"r{k}", GenerateParams(
             prompt=TEST_CONDITIONS[k % 3], steps=STEPS[k % len(STEPS)], sampler=MIXED_SAMPLERS[k % len(MIXED_SAMPLERS)],
             guidance=GUIDANCES[k % len(GUIDANCES)], seed=k, output="latent"))
-    core._admit()
+    core.admit()
     (group,) = core.groups.values()
     assert group.active == slots and group.runnable.sum() == slots
     rng = np.random.default_rng(seed)
-    group.step_index[:] = rng.integers(0, group.total_steps)  # every slot mid-way, at its own step
+    group.step_index[:] = rng.integers(0, [r.total_steps for r in group.requests])  # every slot mid-way, at its own step
     return core, group
 
 
 @pytest.mark.parametrize("slots", [8, 64, 256])
 def test_build_batch_compact(benchmark, slots):
     core, group = prepared_core(slots)
-    benchmark.group = "step prep: _build_batch (compact)"
+    benchmark.group = "step prep: build_batch (compact)"
     benchmark.extra_info.update(slots=slots, rows=int(slots + group.two_rows.sum()),
                                 stochastic=int(group.stochastic.sum()), target_us_64=TARGET_US_64)
-    batch = benchmark(core._build_batch, group)
+    batch = benchmark(core.runner.build_batch, group)
     assert len(batch.slots) == slots and batch.useful_rows == slots + int(group.two_rows.sum())
 
 
 @pytest.mark.parametrize("layout", ["compact", "padded", "bucketed"])
 def test_build_batch_layouts_64(benchmark, layout):
     core, group = prepared_core(64, layout)
-    benchmark.group = "step prep: _build_batch, 64 slots, by layout"
+    benchmark.group = "step prep: build_batch, 64 slots, by layout"
     benchmark.extra_info.update(slots=64, layout=layout)
-    benchmark(core._build_batch, group)
+    benchmark(core.runner.build_batch, group)
 
 
 def test_build_batch_64_deterministic_only(benchmark):
     """Same 64 slots with no stochastic sampler: what the per-slot noise draws cost."""
     core, group = prepared_core(64)
     group.stochastic[:] = False
-    benchmark.group = "step prep: _build_batch, 64 slots, noise share"
-    benchmark(core._build_batch, group)
+    benchmark.group = "step prep: build_batch, 64 slots, noise share"
+    benchmark(core.runner.build_batch, group)
 
 
 def main() -> None:
@@ -93,13 +93,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     core, group = prepared_core(args.profile)
-    runs = timeit.repeat(lambda: core._build_batch(group), number=200, repeat=5)
-    print(f"_build_batch, {args.profile} slots: best {min(runs) / 200 * 1e6:.1f} µs/call "
+    runs = timeit.repeat(lambda: core.runner.build_batch(group), number=200, repeat=5)
+    print(f"build_batch, {args.profile} slots: best {min(runs) / 200 * 1e6:.1f} µs/call "
           f"(median of 5×200: {sorted(runs)[2] / 200 * 1e6:.1f} µs)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
-        core._build_batch(group)
+        core.runner.build_batch(group)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

@@ -1,4 +1,4 @@
-"""The GPU story of diffslot in one command (issue 14, item 3): one CUDA device, < 8 minutes.
+"""The GPU story of diffslot in one command: one CUDA device, < 8 minutes.
 
     python3 bench/gpu_check.py [--only PART,...] [--quick] [--json OUT.json]
 
@@ -490,7 +490,7 @@ def run_plan(device: str, hold_at_cancel: bool, hold_s: float = 0.2):
                 waiting.remove(item)
         for rid, *_, cancel in PLAN:
             if cancel is not None and core.batches == cancel and rid in core.requests \
-                    and not core.requests[rid].canceled:
+                    and not core.requests[rid].stopping:
                 req = core.requests[rid]
                 if hold_at_cancel:
                     torch.cuda.synchronize()
@@ -605,11 +605,11 @@ def part_nosync(args) -> None:
     check("nosync", "middle step, stream held 0.5 s", "host s in step()", host, host < 0.25 * hold_s,
           "a synchronising call waits out the hold")
     torch.cuda.synchronize()
-    while "short" in core.requests and core.requests["short"].state.value == "running":
+    while "short" in core.requests and core.requests["short"].status.value == "running":
         step()  # up to the short request's final launch
     torch.cuda.synchronize()  # its final fence is done: the next step reaps it and publishes
     host = held_step_host_s()
-    published = "short" not in core.requests or core.requests["short"].state.value != "finishing"
+    published = "short" not in core.requests or core.requests["short"].status.value != "finishing"
     check("nosync", "step that publishes a finished request", "host s in step()", host,
           host < 0.25 * hold_s and published, "publish must not drain the stream (.to('cpu'))")
     torch.cuda.synchronize()

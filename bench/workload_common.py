@@ -97,13 +97,13 @@ class TimedDenoiser:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def denoise(self, x, t, rows):
+    def run(self, inputs):
         start = time.perf_counter()
-        out = self._model.denoise(x, t, rows)
+        out = self._model.run(inputs)
         self.last_s = time.perf_counter() - start
         self.seconds += self.last_s
         self.calls += 1
-        self.rows += int(x.shape[0])
+        self.rows += inputs.rows
         return out
 
     def reset(self) -> None:

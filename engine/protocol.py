@@ -15,7 +15,12 @@ Handshake: a client sends `Hello(version)` first; the engine answers `Welcome` (
 `Rejected` naming `version`). Both sides send `Heartbeat` every
 `Welcome.heartbeat_interval_s`, so either notices the other's death without
 request timeouts. A client acknowledges each `Completed` with `Delivered`, which
-returns the output bytes to its budget (R8).
+returns the output bytes to its budget (R8); so does a request that ends otherwise
+after its partial images were sent, whose bytes the client held until then.
+
+`Health` is answered by the engine's IO thread, never by the busy loop, so a probe
+gets its answer while a long denoising step runs; `HealthReply.alive` says whether the
+busy loop is making progress (see engine.serve.heartbeat).
 """
 from __future__ import annotations
 
@@ -31,8 +36,15 @@ OUTPUT_KINDS = ("png", "uint8", "latent")
 SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m", "flow_euler")
 MAX_REQUEST_ID_LEN = 128
 MAX_PROMPT_CHARS = 4096  # longer prompts are truncated by every text encoder anyway
+MAX_MESSAGE_BYTES = 64 * 1024  # a client message is a few hundred bytes; more is abuse
+# Names of the shared-memory segments an engine creates: SEGMENT_PREFIX + "<engine pid>-...",
+# so a restarted engine and the tests can tell whose segments are left (R10).
+SEGMENT_PREFIX = "diffslot-"
+
+MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (R16's `partial_images`, as OpenAI's)
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+PartialImages = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)]
 
 
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -45,14 +57,20 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     model folder's own scheduler, as its pipeline would."""
 
     prompt: str
-    negative_prompt: str = ""
+    negative_prompt: str | None = None  # None: not given (SDXL then zeroes the branch); "" the empty prompt
     steps: int = 20
     sampler: str = "default"
-    guidance: float = 3.0
+    guidance: float = 3.0  # the pipeline's `guidance_scale`, whatever that pipeline does with it
     seed: int = 0
     output: str = "png"
     height: int | None = None  # None: the model's native size
     width: int | None = None
+    true_cfg: float = 1.0  # FLUX: the pipeline's `true_cfg_scale` (two rows with the negative prompt)
+    # SDXL micro-conditioning, (height, width) / (top, left) in pixels; None: the pipeline's defaults
+    original_size: tuple[int, int] | None = None
+    crops_coords_top_left: tuple[int, int] | None = None
+    target_size: tuple[int, int] | None = None
+    loras: dict[str, float] = {}  # adapter name → scale (`--lora-dir`)
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -89,7 +107,7 @@ class Submit(Message, tag="submit"):
     request_id: RequestId  # chosen by the client, unique among its unfinished requests
     params: GenerateParams
     progress: bool = True  # send a Progress message after every denoising step
-    partial_images: int = 0  # 0–3 previews (PartialImage) of the clean-image estimate at evenly spaced steps
+    partial_images: PartialImages = 0  # previews (PartialImage) of the clean-image estimate at evenly spaced steps
 
 
 class Cancel(Message, tag="cancel"):
@@ -99,14 +117,22 @@ class Cancel(Message, tag="cancel"):
 
 
 class Delivered(Message, tag="delivered"):
-    """The client has received this request's output: its bytes leave the client's
-    output budget (R8). A client that stops reading stops sending these."""
+    """The client has received this request's output (its Completed, or the final
+    message of a request whose partial images it was sent): those bytes leave the
+    client's output budget (R8). A client that stops reading stops sending these, and
+    the engine refuses to reuse the request id until it does."""
 
     request_id: RequestId
 
 
 class Stats(Message, tag="stats"):
     token: int = 0  # echoed in StatsReply
+
+
+class Health(Message, tag="health"):
+    """A liveness probe, answered by the engine's IO thread with HealthReply."""
+
+    token: int = 0  # echoed in HealthReply
 
 
 class Goodbye(Message, tag="goodbye"):
@@ -130,7 +156,7 @@ class Welcome(Message, tag="welcome"):
     prompts: list[str] = []  # the prompts a class-conditional model knows; [] for free text
     native_size: int = 0
     pipeline: str = ""  # the served folder's pipeline class
-    max_message_bytes: int = 64 * 1024  # larger client messages are Rejected naming this limit
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # larger client messages are Rejected naming this limit
 
 
 class Accepted(Message, tag="accepted"):
@@ -214,10 +240,25 @@ class StatsReply(Message, tag="stats_reply"):
     stats: dict[str, Any]
 
 
-ClientMessage = Union[Hello, Submit, Cancel, Delivered, Stats, Goodbye, Heartbeat]
+class HealthReply(Message, tag="health_reply"):
+    """`alive`: the busy loop beat within `stall_limit_s` (the engine's --step-timeout), or
+    the step it runs has run less than that; `reason` says why not. `stats` is the busy
+    loop's latest published snapshot, `stats_age_s` old (empty before the first)."""
+
+    token: int
+    alive: bool
+    draining: bool
+    reason: str = ""
+    step_running_s: float = 0.0  # how long the step in progress has run; 0: none
+    loop_silent_s: float = 0.0  # since the busy loop last beat
+    stall_limit_s: float = 0.0
+    stats: dict[str, Any] = {}
+    stats_age_s: float = 0.0
+
+
+ClientMessage = Union[Hello, Submit, Cancel, Delivered, Stats, Health, Goodbye, Heartbeat]
 EngineMessage = Union[Welcome, Accepted, Progress, ProgressBatch, PartialImage, Completed, Canceled, Rejected,
-                      Failed, EngineDead, StatsReply, Heartbeat]
-AnyMessage = Union[ClientMessage, EngineMessage]
+                      Failed, EngineDead, StatsReply, HealthReply, Heartbeat]
 TERMINAL = (Completed, Canceled, Rejected, Failed)
 
 

@@ -8,7 +8,7 @@ import os
 import pathlib
 import re
 
-from engine.serve.transport import pid_alive
+from engine.processes import pid_alive
 
 SHM = pathlib.Path("/dev/shm")
 # long-lived helpers that multiprocessing itself keeps for the whole session

@@ -1,4 +1,4 @@
-"""The GPU path's helpers, on CPU (issue 14, items 2, 3 and 6): staging buffers, the run-ahead
+"""The GPU path's helpers, on CPU: staging buffers, the run-ahead
 window, the device step timer, noise drawn ahead (bit-identical streams), fences on the
 tensors' device, the arena's close ordering, and `bench/gpu_check.py`'s CPU run.
 
@@ -7,7 +7,6 @@ the device of a call is what is checked."""
 from __future__ import annotations
 
 import pathlib
-import random
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from engine.core import fences as F
-from engine.core.device import NoiseAhead, PinnedBuffers, RunAhead, StepTimer
+from engine.core.device import PinnedBuffers, RunAhead, StepTimer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -99,12 +98,12 @@ def test_pinned_buffers_ring_waits_for_the_copy_that_read_the_slot():
 def test_run_ahead_caps_launches_in_flight():
     fences = F.DeferredFences()
     window = RunAhead(limit=2)
-    assert window.has_room()
+    assert window.in_flight < window.limit
     first, second = fences.record(), fences.record()
     window.admit(first)
-    assert window.has_room()
+    assert window.in_flight < window.limit
     window.admit(second)
-    assert not window.has_room() and window.in_flight == 2
+    assert not window.in_flight < window.limit and window.in_flight == 2
     t0 = time.monotonic()
     assert window.wait_for_room(timeout=0.05) is False  # held by the test: no room, no hang
     assert window.wait_for_room() is False
@@ -112,7 +111,7 @@ def test_run_ahead_caps_launches_in_flight():
     fences.release(first)
     assert window.wait_for_room(timeout=0.05) and window.in_flight == 1
     fences.release(second)
-    assert window.in_flight == 0 and window.wait_all()
+    assert window.in_flight == 0 and window.wait_for_room(timeout=0)
 
 
 def test_run_ahead_out_of_order_completion_and_immediate_fences():
@@ -122,7 +121,7 @@ def test_run_ahead_out_of_order_completion_and_immediate_fences():
     window.admit(a)
     window.admit(b)
     fences.release(b)  # the newer one first (only a test can do that)
-    assert window.in_flight == 1 and window.has_room()
+    assert window.in_flight == 1 and window.in_flight < window.limit
     immediate = RunAhead(limit=1)
     for fence in (F.ImmediateFences().record() for _ in range(5)):
         assert immediate.wait_for_room(timeout=0)
@@ -143,78 +142,6 @@ def test_step_timer_on_cpu_is_host_time():
     token = timer.start()
     timer.stop(token)
     assert timer.ema < first and timer.samples == 2
-
-
-# ---- NoiseAhead: each request's stream bit-identical whatever its neighbours do ----------------------
-
-SHAPE = (1, 4, 8, 8)
-
-
-def _draw_of(seed):
-    g = torch.Generator("cpu").manual_seed(seed)
-    torch.randn(SHAPE, generator=g)  # the initial latents come first, as in Trajectory
-    return lambda: torch.randn(SHAPE, generator=g, dtype=torch.float32)
-
-
-def _serial(seed, steps):
-    draw = _draw_of(seed)
-    return [draw() for _ in range(steps)]
-
-
-@pytest.mark.parametrize("ahead", [1, 3])
-@pytest.mark.parametrize("order_seed", range(4))
-def test_noise_ahead_streams_are_bit_identical_whatever_the_neighbours(ahead, order_seed):
-    """Requests join, step in random interleavings, and are forgotten (canceled) midway;
-    every request's noise equals its own generator's serial draws, bit for bit."""
-    rng = random.Random(order_seed)
-    steps = {seed: rng.randint(1, 12) for seed in range(10)}
-    canceled = {s for s in steps if rng.random() < 0.3}
-    noise = NoiseAhead(ahead=ahead)
-    try:
-        got = {s: [] for s in steps}
-        waiting = list(steps)
-        rng.shuffle(waiting)
-        live: list[int] = []
-        while waiting or live:
-            if waiting and (not live or rng.random() < 0.4):
-                seed = waiting.pop()
-                noise.register(seed, _draw_of(seed))
-                live.append(seed)
-                continue
-            seed = rng.choice(live)
-            got[seed].append(noise.take(seed))
-            limit = steps[seed] // 2 if seed in canceled else steps[seed]
-            if len(got[seed]) >= limit:
-                noise.forget(seed)
-                live.remove(seed)
-        for seed, draws in got.items():
-            expected = _serial(seed, len(draws))
-            assert all(torch.equal(a, b) for a, b in zip(draws, expected)), f"request {seed}'s stream changed"
-    finally:
-        noise.close()
-
-
-def test_noise_ahead_draws_off_the_calling_thread():
-    import threading
-
-    threads = []
-
-    def draw():
-        threads.append(threading.current_thread().name)
-        return torch.zeros(1)
-
-    noise = NoiseAhead()
-    try:
-        noise.register("r", draw)
-        noise.take("r")
-        noise.take("r")
-        assert threads and all(t.startswith("diffslot-noise") for t in threads)
-        with pytest.raises(KeyError):
-            noise.register("r", draw)
-        noise.forget("r")
-        assert "r" not in noise
-    finally:
-        noise.close()
 
 
 # ---- fences on the tensors' device (fakes for torch.cuda) -----------------------------------------

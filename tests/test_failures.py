@@ -97,7 +97,7 @@ def test_out_of_memory_shrinks_the_step_instead_of_dying(folder, base_model):
     assert_equal_the_pipeline(folder, done)
     assert core.row_limit is not None and core.row_limit <= 3
     assert max(model.calls[-5:]) <= 3 and core.stats()["oom_splits"] >= 1
-    assert core._slot_cap() < 4  # and admission now fills fewer slots
+    assert core.scheduler.slot_cap() < 4  # and admission now fills fewer slots
 
 
 @pytest.mark.timeout(300)

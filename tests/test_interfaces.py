@@ -1,4 +1,4 @@
-"""The declared interfaces (issue 11): every core the engine process drives — the real
+"""The declared interfaces: every core the engine process drives — the real
 EngineCore, the tests' FakeCore, the benchmark's baseline cores — and every decode stage
 satisfies its Protocol by name and by signature."""
 from __future__ import annotations

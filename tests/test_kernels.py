@@ -284,7 +284,7 @@ def test_reference_equals_hand_written_formula():
     assert (history[2].abs() <= 1.0).all() and (history[2].abs() == 1.0).any()  # clamped x0 kept, not x0u
 
 
-# ---- item 6 of issue 14: arithmetic equal to the reference, NaN, strides ---------------------------
+# ---- arithmetic equal to the reference, NaN, strides ---------------------------
 
 def _assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Equal as float32 values, NaN where NaN (torch.equal alone treats NaN as unequal)."""

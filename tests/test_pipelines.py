@@ -121,10 +121,10 @@ def test_shared_batches_with_late_joins_and_cancels_equal_the_pipeline(folders, 
                 core.add_request(*pending.pop(0))
         for vid in victims:
             request = core.requests.get(vid)
-            if request is not None and request.trajectory.step >= 3 and not request.canceled:
+            if request is not None and request.step >= 3 and not request.stopping:
                 core.abort_requests([vid])
         running = [r for g in core.groups.values() for r in g.requests if r is not None and g.runnable[r.slot]]
-        steps_seen = max(steps_seen, len({r.trajectory.step for r in running}))
+        steps_seen = max(steps_seen, len({r.step for r in running}))
         shared += len(running) > 1
         for out in core.step():
             if isinstance(out, DenoiseFinished):
@@ -226,7 +226,7 @@ def test_admission_counts_embedding_bytes(folders):
     assert guided.trajectory_bytes - single.trajectory_bytes == model.conditioning_nbytes
 
 
-@pytest.mark.parametrize("field, value", [("prompt", 7), ("prompt", "x" * 5000), ("negative_prompt", None),
+@pytest.mark.parametrize("field, value", [("prompt", 7), ("prompt", "x" * 5000), ("negative_prompt", 7),
                                           ("prompt", "nul\x00byte")])
 def test_bad_prompts_are_rejected_naming_the_field(folders, field, value):
     core = EngineCore(model_of(folders["sd-ddim"]), CoreConfig(slots=2))

@@ -60,8 +60,8 @@ def test_previews_leave_by_fence_gated_copies_on_the_cuda_path(tmp_path):
         core = EngineCore(model, CoreConfig(slots=1), fences=fences)
         core.async_copies = async_path
         copies = []
-        copy_to_host = core._copy_to_host
-        core._copy_to_host = lambda tensor: copies.append(tensor.shape) or copy_to_host(tensor)
+        copy_to_host = core.runner.copy_to_host
+        core.runner.copy_to_host = lambda tensor: copies.append(tensor.shape) or copy_to_host(tensor)
         core.add_request("r", params, partial_images=2)
         previews = []
         while core.has_unfinished_requests():

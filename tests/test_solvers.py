@@ -96,9 +96,8 @@ class BatchInvariant(ClassConditionalModel):
     """The tiny model, its UNet run in float64, outputs rounded to float32: the float32
     output of a row no longer depends on its neighbours in the call (see module docstring)."""
 
-    def denoise(self, x, t, rows):
-        labels = torch.stack([c.hidden for c in rows])
-        return self.unet(x.double(), t, class_labels=labels).sample.float()
+    def forward(self, inputs):
+        return self.unet(inputs.sample.double(), inputs.timestep, class_labels=inputs.hidden).sample.float()
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,9 +142,11 @@ class RecordingCore(EngineCore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch_log: list[dict] = []
+        self._build_batch = self.runner.build_batch
+        self.runner.build_batch = self.recorded_batch
 
-    def _build_batch(self, group):
-        batch = super()._build_batch(group)
+    def recorded_batch(self, group):
+        batch = self._build_batch(group)
         reqs = [group.requests[s] for s in batch.slots]
         self.batch_log.append({
             "steps": sorted(set(group.step_index[batch.slots].tolist())),
@@ -193,11 +194,11 @@ def run_shared(model: ClassConditionalModel, cases: list[Case], layout: str = "c
             to_cancel[vid] = core.batches + 3
             victim_ids.add(vid)
         for vid, at in list(to_cancel.items()):
-            if core.batches >= at and vid in core.requests and core.requests[vid].trajectory.step > 0:
+            if core.batches >= at and vid in core.requests and core.requests[vid].step > 0:
                 core.abort_requests([vid])
                 del to_cancel[vid]
         busy_before = {r.request_id for g in core.groups.values() for r in g.requests
-                       if r is not None and r.trajectory.step > 0}
+                       if r is not None and r.step > 0}
         for out in core.step():
             if isinstance(out, DenoiseFinished):
                 results[out.request_id] = out.latents.clone()
@@ -206,7 +207,7 @@ def run_shared(model: ClassConditionalModel, cases: list[Case], layout: str = "c
                 canceled.add(out.request_id)
         if busy_before:
             for g in core.groups.values():
-                admitted_late |= {r.request_id for r in g.requests if r is not None and r.trajectory.step == 1
+                admitted_late |= {r.request_id for r in g.requests if r is not None and r.step == 1
                                   and r.request_id not in busy_before}
         tick += 1
         assert tick < 10_000
@@ -271,8 +272,7 @@ def run_unit(model: ClassConditionalModel, case: Case, clip_override: float | No
         rows = len(conditioning)
         xin = (x / torch.tensor(schedule.input_divisor[i])).expand(rows, -1).reshape(rows, *shape)
         out = model.denoise(xin, torch.full((rows,), float(schedule.timesteps[i])), conditioning).reshape(rows, -1)
-        traj.step = i
-        noise = traj.step_noise().reshape(1, -1) if schedule.stochastic else torch.empty(0)
+        noise = traj.step_noise(i).reshape(1, -1) if schedule.stochastic else torch.empty(0)
         index = torch.tensor([[0, 0, 1 if two else -1, 0 if schedule.stochastic else -1]], dtype=torch.int32)
         coefs = torch.from_numpy(schedule.coefs[i: i + 1].copy())
         if stats is not None:
@@ -333,11 +333,9 @@ def test_trajectory_draws_only_from_its_own_seed():
     draws_a = [a.initial_latents()]
     b.initial_latents()
     for step in range(5):  # interleaved with a neighbour's draws, some repeated (a re-run step)
-        a.step = step
-        draws_a.append(a.step_noise())
-        b.step = step
-        b.step_noise()
-        b.step_noise()
+        draws_a.append(a.step_noise(step))
+        b.step_noise(step)
+        b.step_noise(step)
     g = torch.Generator().manual_seed(11)
     expected = [torch.randn((1, *shape), generator=g) * sched.init_noise_sigma]
     expected += [torch.randn((1, *shape), generator=g) for _ in range(5)]
@@ -357,8 +355,7 @@ def test_noise_blocks_equal_step_by_step_draws():
         t.initial_latents()
         got = []
         for step in range(steps):
-            t.step = step
-            got.append(t.step_noise().reshape(1, *shape))
+            got.append(t.step_noise(step).reshape(1, *shape))
         g = torch.Generator().manual_seed(5)
         torch.randn((1, *shape), generator=g)
         for k, row in enumerate(got):

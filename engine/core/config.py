@@ -6,6 +6,7 @@ import dataclasses
 
 LAYOUTS = ("compact", "padded", "bucketed")
 ADMISSIONS = ("continuous", "static")
+POLICIES = ("fifo", "srpt")
 
 
 @dataclasses.dataclass
@@ -21,17 +22,25 @@ class CoreConfig:
     output_budget_bytes: int | None = None  # default: `slots + decode_buffers` native outputs
     device: str = "cpu"
     embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse (R14)
+    embedding_cache_bytes: int = 256 << 20  # and at most this many bytes of them (R22)
+    policy: str = "fifo"  # admission order: fifo, or srpt (least remaining evaluations first, aged)
+    max_groups: int = 8  # live slot groups (one per latent shape); idle ones are evicted beyond it
+    bypass_limit: int = 8  # later requests that may pass one waiting for memory before it blocks
+    oom_recovery_batches: int = 64  # batches at a lowered row limit before it doubles back
+    max_schedules: int = 1024  # cached schedules (sampler, steps, size options)
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
     fence_wait_s: float = 0.002  # longest sleep on a fence when nothing else can run (input latency bound)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {self.layout!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {self.policy!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, not {self.admission!r}")
         if self.decode_buffers is None:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
-                or self.embedding_cache_entries < 1:
+                or self.embedding_cache_entries < 1 or self.max_groups < 1:
             raise ValueError("slots, decode_buffers, max_steps and embedding_cache_entries must be positive, "
                              "max_queue non-negative")

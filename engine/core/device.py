@@ -1,4 +1,4 @@
-"""Helpers of the GPU path that the core uses around its launches (issue 14, items 2 and 6).
+"""Helpers of the GPU path that the core uses around its launches.
 
 - `PinnedBuffers`: persistent page-locked host staging for a step's small arrays (row
   map, index, coefficients, per-row timesteps and divisors), packed into one buffer, so
@@ -12,10 +12,6 @@
   spinning.
 - `StepTimer`: the time a step takes *on the device* (CUDA events around the launch,
   read once they complete), for `step_time_ema` and `retry_after`; on CPU the host time.
-- `NoiseAhead`: each stochastic request's next step noise drawn ahead on a worker
-  thread, from the request's own CPU generator in its own order, so the draw is off the
-  busy loop's critical path and the request's stream is bit-identical whatever its
-  neighbours do.
 
 All of them run on CPU tensors too (tests), where copies and events degenerate to
 nothing.
@@ -23,10 +19,8 @@ nothing.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import threading
 import time
-from typing import Callable, Hashable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -56,7 +50,6 @@ class Staged:
     def __init__(self, owner: "PinnedBuffers", k: int):
         self._owner, self._k = owner, k
         self.host: dict[str, np.ndarray] = owner._host_views[k]
-        self.uploaded = False
 
     def upload(self, counts: dict[str, int] | None = None, stream=None) -> dict[str, torch.Tensor]:
         """One host-to-device copy of the whole staging buffer (bytes up to the end of the
@@ -176,9 +169,6 @@ class RunAhead:
         self._drop_done()
         return len(self._fences)
 
-    def has_room(self) -> bool:
-        return self.in_flight < self.limit
-
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block until fewer than `limit` launches are in flight (or `timeout` passes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -195,14 +185,6 @@ class RunAhead:
 
     def admit(self, fence) -> None:
         self._fences.append(fence)
-
-    def wait_all(self, timeout: float | None = None) -> bool:
-        """Block until every admitted launch is done (shutdown, or before a blocking read)."""
-        for fence in list(self._fences):
-            if not fence.wait(timeout):
-                return False
-        self._drop_done()
-        return True
 
 
 class StepTimer:
@@ -246,64 +228,3 @@ class StepTimer:
             start, end = self._pending.popleft()
             self._update(start.elapsed_time(end) / 1e3)
         return self.ema
-
-
-class NoiseAhead:
-    """Each registered request's next step noise, drawn ahead on one worker thread.
-
-    `register(key, draw)` (after the request's initial latents are drawn; `draw` is e.g.
-    `trajectory.step_noise`) queues its first draw; `take(key)` returns the next draw in
-    order (waiting for it if the worker is behind) and queues the one after; `forget(key)`
-    drops a request (its generator is not touched again by us after its queued draw).
-
-    Bit-identical streams: a request's draws all come from its own generator, one at a
-    time, in order (each draw is queued only when the previous one has been taken, and
-    the single worker runs them in queue order), so neighbours change only *when* a draw
-    happens, never what it returns. `ahead` > 1 keeps that many draws queued per request.
-    """
-
-    def __init__(self, ahead: int = 1):
-        if ahead < 1:
-            raise ValueError("ahead must be at least 1")
-        self.ahead = ahead
-        # ONE worker: it runs the draws in submission order, which is each request's order
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diffslot-noise")
-        self._draws: dict[Hashable, tuple[Callable, collections.deque]] = {}
-        self._lock = threading.Lock()
-        self.waited = 0  # takes whose draw was not ready yet
-
-    def register(self, key: Hashable, draw: Callable[[], torch.Tensor]) -> None:
-        with self._lock:
-            if key in self._draws:
-                raise KeyError(f"{key!r} is already registered")
-            queue: collections.deque = collections.deque()
-            self._draws[key] = (draw, queue)
-            for _ in range(self.ahead):
-                queue.append(self._pool.submit(draw))
-
-    def take(self, key: Hashable) -> torch.Tensor:
-        with self._lock:
-            draw, queue = self._draws[key]
-            future = queue.popleft()
-            queue.append(self._pool.submit(draw))  # the single worker runs it after `future`
-        if not future.done():
-            self.waited += 1
-        return future.result()
-
-    def forget(self, key: Hashable) -> None:
-        with self._lock:
-            entry = self._draws.pop(key, None)
-        if entry is not None:
-            for future in entry[1]:
-                future.cancel()
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._draws
-
-    def close(self) -> None:
-        with self._lock:
-            for _, queue in self._draws.values():
-                for future in queue:
-                    future.cancel()
-            self._draws.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,5 +1,5 @@
 """The encode phase's cache (R14): prompt embeddings keyed by (model revision, prompt,
-encoder settings), bounded, least recently used first out.
+encoder settings), bounded by entries and by bytes (R22), least recently used first out.
 
 An entry evicted while slots still hold it stays alive through their references and is
 freed with the last of them (after its fence); the cache only stops handing it out.
@@ -13,10 +13,11 @@ from engine.models.loading import Conditioning, DiffusionModel
 
 
 class EmbeddingCache:
-    def __init__(self, model: DiffusionModel, capacity: int = 1024):
+    def __init__(self, model: DiffusionModel, capacity: int = 1024, capacity_bytes: int = 256 << 20):
         self.model = model
-        self.capacity = capacity
+        self.capacity, self.capacity_bytes = capacity, capacity_bytes
         self._entries: collections.OrderedDict[tuple, Conditioning] = collections.OrderedDict()
+        self.nbytes = 0
         self.hits = self.misses = self.encoder_calls = 0
 
     def _key(self, prompt: str) -> tuple:
@@ -40,14 +41,16 @@ class EmbeddingCache:
         rows = [fresh.get(p) or self._entries[self._key(p)] for p in prompts]
         for prompt, conditioning in fresh.items():
             self._entries[self._key(prompt)] = conditioning
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self.nbytes += conditioning.nbytes
+        while len(self._entries) > self.capacity or (self.nbytes > self.capacity_bytes and len(self._entries) > 1):
+            self.nbytes -= self._entries.popitem(last=False)[1].nbytes
         return rows
 
     def stats(self) -> dict:
         lookups = self.hits + self.misses
         return {
             "embedding_cache_entries": len(self._entries),
+            "embedding_cache_bytes": self.nbytes,
             "embedding_cache_hits": self.hits,
             "embedding_cache_misses": self.misses,
             "embedding_cache_hit_rate": self.hits / lookups if lookups else 0.0,

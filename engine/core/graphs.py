@@ -3,8 +3,8 @@ two), each captured once on fixed input buffers and replayed every step after, s
 costs one graph launch instead of hundreds of kernel launches from Python.
 
 A replay reads the inputs from the buffers it was captured on and writes its output into
-the buffer the capture returned: `GraphedDenoiser.__call__` copies the step's latents,
-timesteps and stacked conditioning in, replays, and returns that output buffer. The buffer
+the buffer the capture returned: `GraphedDenoiser.__call__` copies the step's
+`ModelInputs` fields in, replays, and returns that output buffer. The buffer
 is rewritten by the next replay of the same size, which is safe because everything that
 reads it (the update kernel, previews) is enqueued on the same stream before that replay.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from engine.models.inputs import ModelInputs
 
 log = logging.getLogger("diffslot.engine")
 
@@ -60,7 +62,8 @@ class EagerCapture:
 
 
 class GraphedDenoiser:
-    """`model.denoise` through one graph per (rows, latent shape, conditioning shapes)."""
+    """`model.run` through one graph per (field, shape, dtype) of its `ModelInputs`: the
+    same per-row input structure as the eager path, captured on buffers of its fields."""
 
     def __init__(self, model, capture):
         self.model, self.capturer = model, capture
@@ -68,35 +71,30 @@ class GraphedDenoiser:
         self.failed: set[tuple] = set()  # keys whose capture raised: those run eagerly
         self.replays = 0
 
-    @staticmethod
-    def supports(model) -> bool:
-        """The model splits its conditioning from the denoiser call (`DiffusionModel`s do;
-        wrappers that only have `denoise` run eagerly)."""
-        from engine.models.loading import DiffusionModel
-
-        return isinstance(model, DiffusionModel) and \
-            type(model).stack_conditioning is not DiffusionModel.stack_conditioning
-
-    def __call__(self, x: torch.Tensor, t: torch.Tensor, rows) -> torch.Tensor:
-        conditioning = self.model.stack_conditioning(rows)
-        inputs = (x, t, *conditioning)
-        key = tuple((tuple(a.shape), a.dtype) for a in inputs)
+    def __call__(self, inputs: ModelInputs) -> torch.Tensor:
+        named = inputs.named()
+        key = tuple((name, tuple(a.shape), a.dtype) for name, a in named.items())
         if key in self.failed:
-            return self.model.denoise_stacked(*inputs)
+            return self.model.run(inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            buffers = tuple(a.clone() for a in inputs)
+            names = tuple(named)
+            buffers = tuple(a.clone() for a in named.values())
+
+            def run(*tensors):
+                return self.model.run(ModelInputs(**dict(zip(names, tensors))))
+
             try:
-                replay, output = self.capturer.capture(self.model.denoise_stacked, buffers)
+                replay, output = self.capturer.capture(run, buffers)
             except Exception as exc:  # a model that cannot be captured still runs, eagerly
                 log.warning("CUDA graph capture of %d rows failed (%s: %s): that size runs eagerly",
-                            x.shape[0], type(exc).__name__, exc)
+                            inputs.rows, type(exc).__name__, exc)
                 self.failed.add(key)
-                return self.model.denoise_stacked(*inputs)
+                return self.model.run(inputs)
             entry = self.graphs[key] = (replay, output, buffers)
-            log.info("captured a CUDA graph of the denoiser at %d rows (%d graphs)", x.shape[0], len(self.graphs))
+            log.info("captured a CUDA graph of the denoiser at %d rows (%d graphs)", inputs.rows, len(self.graphs))
         replay, output, buffers = entry
-        for buffer, value in zip(buffers, inputs):
+        for buffer, value in zip(buffers, named.values()):
             buffer.copy_(value, non_blocking=True)
         replay()
         self.replays += 1

@@ -43,7 +43,6 @@ from engine.protocol import SAMPLERS
 G, P, Q, CLIP, A, E, B, M, KS, KT, HC, D, KEEP_HIST = range(13)
 NUM_COEFS = 13
 
-KERNEL_SAMPLERS = SAMPLERS[1:]  # every sampler but `default` is one of the kernel's updates
 
 # The folder's scheduler class → the kernel sampler that runs it exactly (when its config
 # is the one `make_scheduler` builds); any other scheduler runs on the generic path.
@@ -89,8 +88,9 @@ def make_scheduler(sampler: str, scheduler_config: dict):
     config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
     if sampler == "flow_euler":
         sched = _from_config(FlowMatchEulerDiscreteScheduler, config)
-        if sched.config.use_dynamic_shifting or sched.config.stochastic_sampling:
-            raise UnsupportedSampler("flow_euler: dynamic shifting and stochastic sampling are not supported")
+        # dynamic shifting (FLUX) is supported: its `mu` comes with the schedule options
+        if sched.config.stochastic_sampling:
+            raise UnsupportedSampler("flow_euler: stochastic sampling is not supported")
         return sched
     config["prediction_type"] = _DIFFUSERS_PREDICTION.get(prediction, prediction)
     if sampler == "euler":
@@ -167,13 +167,16 @@ class Schedule:
         return len(self.timesteps)
 
 
-def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: float) -> Schedule:
+def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: float,
+                   options: tuple = ()) -> Schedule:
+    """`options`: (name, value) pairs for `set_timesteps` beside the step count, as the
+    pipeline passes them (FLUX's `sigmas` and resolution-dependent `mu`)."""
     if sampler == "default":
         sampler = kernel_sampler_of_default(scheduler_config) or "generic"
     if sampler == "generic":
-        return _generic_schedule(folder_scheduler(scheduler_config), steps, guidance)
+        return _generic_schedule(folder_scheduler(scheduler_config), steps, guidance, options)
     sched = make_scheduler(sampler, scheduler_config)
-    sched.set_timesteps(steps)
+    _set_timesteps(sched, steps, options)
     prediction = prediction_type_of(scheduler_config)
     timesteps = sched.timesteps.to(torch.float64).numpy()
     coefs = np.zeros((len(timesteps), NUM_COEFS), dtype=np.float64)
@@ -205,10 +208,22 @@ def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: f
     )
 
 
-def _generic_schedule(sched, steps: int, guidance: float) -> Schedule:
+def _set_timesteps(sched, steps: int, options: tuple) -> None:
+    kwargs = {name: list(value) if isinstance(value, tuple) else value for name, value in options}
+    if getattr(sched.config, "use_dynamic_shifting", False) and kwargs.get("mu") is None:
+        # the shift depends on the image size, which only the model's schedule options know
+        raise UnsupportedSampler(f"{type(sched).__name__} with dynamic shifting needs the resolution-dependent "
+                                 "`mu`, which this model does not give")
+    if "sigmas" in kwargs:  # the pipeline passes sigmas instead of a step count
+        sched.set_timesteps(sigmas=kwargs.pop("sigmas"), **kwargs)
+    else:
+        sched.set_timesteps(steps, **kwargs)
+
+
+def _generic_schedule(sched, steps: int, guidance: float, options: tuple = ()) -> Schedule:
     """A scheduler the kernel does not express (PNDM, LMS, UniPC, ...): each request steps
     its own copy of the diffusers object; the core only gathers its rows."""
-    sched.set_timesteps(steps)
+    _set_timesteps(sched, steps, options)
     n = len(sched.timesteps)
     coefs = np.zeros((n, NUM_COEFS), dtype=np.float32)
     coefs[:, G] = guidance
@@ -325,14 +340,13 @@ class Trajectory:
     depends on its neighbours in the batch.
     """
 
-    __slots__ = ("schedule", "generator", "latent_shape", "step", "scheduler", "_step_kwargs", "_noise",
+    __slots__ = ("schedule", "generator", "latent_shape", "scheduler", "_step_kwargs", "_noise",
                  "_noise_from", "_numel")
 
     def __init__(self, schedule: Schedule, seed: int, latent_shape: tuple[int, ...]):
         self.schedule = schedule
         self.generator = torch.Generator("cpu").manual_seed(seed)
         self.latent_shape = (1, *latent_shape)
-        self.step = 0
         # generic path: the request's own scheduler object (its step index and history)
         self.scheduler = copy.deepcopy(schedule.scheduler) if schedule.scheduler is not None else None
         self._step_kwargs = None
@@ -358,28 +372,24 @@ class Trajectory:
         x = torch.randn(self.latent_shape, generator=self.generator, dtype=torch.float32)
         return x * self.schedule.init_noise_sigma
 
-    def step_noise(self) -> torch.Tensor:
-        """The noise of the current step (`self.step`), from blocks of NOISE_BLOCK steps
+    def step_noise(self, step: int) -> torch.Tensor:
+        """The noise of step `step` (drawn in step order), from blocks of NOISE_BLOCK steps
         drawn ahead in one call each: fewer calls on the per-step path, at most one block of
         host memory per request. torch's CPU normal sampler fills 16 values at a time from the
         generator's stream, so for a multiple of 16 values one draw of k rows equals k draws
         of one row, bit for bit (tests compare with diffusers' own loop); other sizes keep
         drawing step by step."""
-        k = self.step - self._noise_from
+        k = step - self._noise_from
         if 0 <= k < len(self._noise):  # a tuple: no tensor op on the per-step path
             return self._noise[k]
         if self._numel % 16:
             return torch.randn(self._numel, generator=self.generator, dtype=torch.float32)
-        rows = min(NOISE_BLOCK, self.schedule.steps - self.step)
+        rows = min(NOISE_BLOCK, self.schedule.steps - step)
         block = torch.randn((rows, self._numel), generator=self.generator, dtype=torch.float32)
         self._noise = block.unbind(0)  # row views in a tuple: indexing it costs no tensor op
-        self._noise_from = self.step
+        self._noise_from = step
         return self._noise[0]
 
     @property
     def total(self) -> int:
         return self.schedule.steps
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.schedule.steps

@@ -11,10 +11,13 @@ from engine.protocol import MAX_PROMPT_CHARS, OUTPUT_KINDS, SAMPLERS, GeneratePa
 MAX_GUIDANCE = 100.0
 
 
-def checked_size(model, p: GenerateParams, max_steps: int) -> tuple[int, int]:
-    """(height, width) of a well-formed request; raises RequestRejected naming the field."""
+def checked_size(model, geometry, p: GenerateParams, max_steps: int) -> tuple[int, int]:
+    """(height, width) of a well-formed request; raises RequestRejected naming the field.
+    `geometry`: the model's `engine.models.geometry.Geometry`."""
     for field in ("prompt", "negative_prompt"):
         text = getattr(p, field)
+        if field == "negative_prompt" and text is None:
+            continue  # not given
         if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS or "\x00" in text:
             raise RequestRejected(f"must be text of at most {MAX_PROMPT_CHARS} characters", field)
         why = model.check_prompt(text) if field == "prompt" or text else None
@@ -24,18 +27,23 @@ def checked_size(model, p: GenerateParams, max_steps: int) -> tuple[int, int]:
         raise RequestRejected(f"must be an integer in [1, {max_steps}]", "steps")
     if p.sampler not in SAMPLERS:
         raise RequestRejected(f"unknown sampler {p.sampler!r}; one of {', '.join(SAMPLERS)}", "sampler")
-    if not isinstance(p.guidance, (int, float)) or not math.isfinite(p.guidance) \
-            or not 0.0 <= p.guidance <= MAX_GUIDANCE:
-        raise RequestRejected(f"must be a finite number in [0, {MAX_GUIDANCE:g}]", "guidance")
+    for field in ("guidance", "true_cfg"):
+        value = getattr(p, field)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0.0 <= value <= MAX_GUIDANCE:
+            raise RequestRejected(f"must be a finite number in [0, {MAX_GUIDANCE:g}]", field)
+    for field in ("original_size", "crops_coords_top_left", "target_size"):
+        value = getattr(p, field)
+        if value is not None and not (len(value) == 2 and all(type(v) is int and 0 <= v <= 65536 for v in value)):
+            raise RequestRejected("must be two integers in [0, 65536]", field)
     if type(p.seed) is not int or not 0 <= p.seed < 2**63:
         raise RequestRejected("must be an integer in [0, 2**63)", "seed")
     if p.output not in OUTPUT_KINDS:
         raise RequestRejected(f"must be one of {', '.join(OUTPUT_KINDS)}", "output")
-    multiple, largest = model.size_multiple, 4 * model.native_size
+    multiple, largest = geometry.size_multiple, geometry.max_size
     size = []
     for field in ("height", "width"):
         value = getattr(p, field)
-        value = model.native_size if value is None else value
+        value = geometry.native_size if value is None else value
         if type(value) is not int or not multiple <= value <= largest or value % multiple:
             raise RequestRejected(f"must be a multiple of {multiple} in [{multiple}, {largest}]", field)
         size.append(value)

@@ -49,12 +49,13 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from engine import _C
-from engine.serve.transport import pid_alive
+from engine.processes import pid_alive
+from engine.protocol import SEGMENT_PREFIX
 
 log = logging.getLogger("diffslot.arena")
 
 SHM_DIR = pathlib.Path("/dev/shm")
-PREFIX = "diffslot-"
+PREFIX = SEGMENT_PREFIX
 _NAME = re.compile(r"^diffslot-(\d+)-")
 PAGE = 4096
 WORD = 8

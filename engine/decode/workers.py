@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
 import multiprocessing
@@ -61,6 +60,8 @@ import numpy as np
 
 from engine.decode import arena as A
 from engine.decode.stage import CANCELED, DecodedOutput
+from engine.models.geometry import geometry_of
+from engine.protocol import OUTPUT_KINDS, output_nbytes
 
 log = logging.getLogger("diffslot.decode")
 
@@ -91,32 +92,16 @@ class _Worker:
     hung_reason: str | None = None
 
 
-def _model_geometry(model) -> tuple[pathlib.Path, int, int, int]:
-    """(model folder, latent channels, pixels per latent cell, native size) of a model
-    name, folder or loaded model, read from the folder's configs (no weights loaded)."""
-    if hasattr(model, "path") and hasattr(model, "vae_scale"):  # a loaded DiffusionModel
-        path = pathlib.Path(model.path)
-    elif str(model) == "shapes":
-        from engine.models import SHAPES_DIR
+def _model_folder(model) -> pathlib.Path:
+    """The folder of a model name, folder or loaded model (workers load the VAE from it)."""
+    if hasattr(model, "geometry") and hasattr(model, "path"):  # a loaded DiffusionModel
+        return pathlib.Path(model.path)
+    from engine.models import SHAPES_DIR
 
-        path = SHAPES_DIR
-    else:
-        path = pathlib.Path(model).expanduser().resolve()
-    config_file = path / "vae" / "config.json"
-    if not config_file.exists():
+    path = SHAPES_DIR if str(model) == "shapes" else pathlib.Path(model).expanduser().resolve()
+    if not (path / "vae" / "config.json").exists():
         raise FileNotFoundError(f"decode workers load the VAE from a model folder; {path} has no vae/config.json")
-    vae = json.loads(config_file.read_text())
-    scale = 2 ** (len(vae.get("block_out_channels", (0,))) - 1)
-    channels = int(vae.get("latent_channels", 4))
-    native = int(vae.get("sample_size", 32))
-    for denoiser in ("unet", "transformer"):  # SD and class-conditional folders; SD3
-        denoiser_file = path / denoiser / "config.json"
-        if denoiser_file.exists():
-            sample = json.loads(denoiser_file.read_text()).get("sample_size")
-            if isinstance(sample, int):
-                native = sample * scale
-            break
-    return path, channels, scale, native
+    return path
 
 
 class MultiProcessDecodeStage:
@@ -138,17 +123,19 @@ class MultiProcessDecodeStage:
                  pin_memory: bool | None = None, start_timeout_s: float = 180.0, wait_ready: bool = True):
         if not 1 <= workers <= A.MAX_WORKERS:
             raise ValueError(f"workers must be in [1, {A.MAX_WORKERS}]")
-        self.model_dir, channels, scale, native = _model_geometry(model)
-        self.latent_channels, self.vae_scale, self.native_size = channels, scale, native
+        self.model_dir = _model_folder(model)
+        geometry = geometry_of(self.model_dir)
+        channels, scale = geometry.latent_channels, geometry.vae_scale
+        self.latent_channels, self.vae_scale, self.native_size = channels, scale, geometry.native_size
         self.workers = workers
         self.devices = [device] * workers if isinstance(device, str) else list(device)
         if len(self.devices) != workers:
             raise ValueError("give one device, or one per worker")
-        self.max_size = max_size or 4 * native
-        latent_bytes = 4 * channels * (self.max_size // scale) ** 2
-        pixels = self.max_size * self.max_size * 3
-        # the worst PNG of these pixels: stored deflate blocks, a filter byte per row, chunks
-        output_bytes = max(pixels + self.max_size + pixels // 1000 + 4096, latent_bytes)
+        self.max_size = max_size or geometry.max_size
+        largest = geometry.latent_shape(self.max_size, self.max_size)
+        latent_bytes = output_nbytes("latent", self.max_size, self.max_size, largest)
+        # the output bound of every kind, as the engine reserves it against a client's budget
+        output_bytes = max(output_nbytes(kind, self.max_size, self.max_size, largest) for kind in OUTPUT_KINDS)
         self.decode_timeout_s = decode_timeout_s
         if decode_delay_s is None:
             decode_delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)

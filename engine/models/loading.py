@@ -1,11 +1,15 @@
 """Loading a model folder as diffusers saves it, and the few calls the core makes of it.
 
-Three layouts (`model_index.json` names the pipeline):
+Five layouts (`model_index.json` names the pipeline):
 
 - `StableDiffusionPipeline` (SD 1.x/2.x): CLIP tokenizer + text encoder,
   `UNet2DConditionModel`, `AutoencoderKL`, scheduler;
 - `StableDiffusion3Pipeline`: two CLIP encoders, optional T5, `SD3Transformer2DModel`,
   flow matching, a VAE with a shift factor;
+- `StableDiffusionXLPipeline` (`engine.models.sdxl`): two CLIP encoders, pooled
+  embeddings, per-request micro-conditioning time ids;
+- `FluxPipeline` (`engine.models.flux`): CLIP pooled + T5, `FluxTransformer2DModel` on
+  2×2-packed latents, embedded guidance (dev), resolution-dependent timestep shift;
 - the class-conditional layout (no `model_index.json`): `unet/` `UNet2DModel`, `vae/`,
   `scheduler/`, `conditions.json` (null condition last).
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import pathlib
 from typing import Sequence
@@ -25,6 +30,8 @@ import numpy as np
 import torch
 
 from engine.models import resolve
+from engine.models.geometry import Geometry, geometry_from_configs, pipeline_class_of
+from engine.models.inputs import ModelInputs
 
 
 def prediction_type_of(scheduler_config: dict) -> str:
@@ -80,8 +87,11 @@ class VaeDecoder:
 
 
 class DiffusionModel:
-    """What the core needs of a model: geometry, prompt encoding, one batched denoiser
-    call, the scheduler config. Subclasses per layout."""
+    """What the core needs of a model: geometry, prompt encoding, per-request inputs, one
+    batched denoiser call (`run`), the scheduler config. Subclasses per layout.
+
+    Per-row inputs follow `engine.models.inputs.ModelInputs`: the core gathers them
+    from slot-owned state and calls `run(inputs)`; nothing else reaches the denoiser."""
 
     pipeline_class = ""
     path: pathlib.Path
@@ -91,6 +101,7 @@ class DiffusionModel:
     denoiser: torch.nn.Module
     vae = None
     prompts: tuple[str, ...] = ()  # known prompts (class-conditional models); () for free text
+    denoiser_is_unet = True
 
     @property
     def prediction_type(self) -> str:
@@ -100,29 +111,30 @@ class DiffusionModel:
     def revision(self) -> str:
         return str(self.path)
 
+    @functools.cached_property
+    def geometry(self) -> Geometry:
+        """The one source for channels, scale, size multiple and native size (R19)."""
+        vae = None if self.vae is None else dict(self.vae.config)
+        return geometry_from_configs(self.pipeline_class, vae, dict(self.denoiser.config), self.denoiser_is_unet)
+
     @property
     def latent_channels(self) -> int:
-        return int(self.denoiser.config.in_channels)
+        return self.geometry.latent_channels
 
     @property
     def vae_scale(self) -> int:
-        """Pixels per latent cell along one side."""
-        return 1 if self.vae is None else 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return self.geometry.vae_scale
 
     @property
     def native_size(self) -> int:
-        return int(self.denoiser.config.sample_size) * self.vae_scale
+        return self.geometry.native_size
 
     @property
     def size_multiple(self) -> int:
-        """Height and width must be multiples of this (VAE and denoiser downsampling)."""
-        return self.vae_scale * self._latent_multiple()
-
-    def _latent_multiple(self) -> int:
-        return 2 ** (len(self.denoiser.config.block_out_channels) - 1)
+        return self.geometry.size_multiple
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+        return self.geometry.latent_shape(height, width)
 
     @functools.cached_property
     def conditioning_layout(self) -> tuple:
@@ -145,26 +157,58 @@ class DiffusionModel:
         """Why the model cannot take this prompt, or None."""
         return None
 
-    def guided(self, guidance: float) -> bool:
-        """Whether a request runs classifier-free guidance (two rows a step), as the
-        pipeline decides: only for a guidance scale above 1."""
-        return guidance > 1.0
+    def check_params(self, params) -> tuple[str, str] | None:
+        """(field, why) for a field this model cannot use, or None (R11)."""
+        if params.true_cfg != 1.0:
+            return "true_cfg", f"{self.pipeline_class or 'this model'} has no true_cfg_scale (FLUX only)"
+        for field in ("original_size", "crops_coords_top_left", "target_size"):
+            if getattr(params, field) is not None:
+                return field, f"{self.pipeline_class or 'this model'} takes no micro-conditioning (SDXL only)"
+        return None
 
-    def encode(self, prompts: Sequence[str]) -> list[Conditioning]:
-        """One batched pass of the model's own text encoder(s)."""
+    def cfg_scale(self, params) -> float | None:
+        """The classifier-free guidance scale the kernel combines two rows with, or None
+        for one row a step: as the pipeline decides, only above 1."""
+        return float(params.guidance) if params.guidance > 1.0 else None
+
+    def negative_text(self, params) -> str | None:
+        """What the unconditional branch encodes: "" when no negative prompt is given."""
+        return params.negative_prompt or ""
+
+    def schedule_options(self, height: int, width: int, steps: int) -> tuple:
+        """What besides (sampler, steps) a schedule depends on for this size, as
+        (name, value) pairs passed to `set_timesteps` (FLUX's `sigmas`, which depend on the
+        step count, and its resolution-dependent `mu`); part of the schedule key."""
+        return ()
+
+    def request_inputs(self, params, height: int, width: int) -> dict[str, torch.Tensor]:
+        """Per-request inputs (`engine.models.inputs.REQUEST_FIELDS`), each 2 × field shape:
+        the conditional branch's row, then the unconditional one's. Held by the slot."""
+        return {}
+
+    def encode(self, prompts: Sequence[str | None]) -> list[Conditioning]:
+        """One batched pass of the model's own text encoder(s). A None prompt is a row of
+        zeros of the layout (SDXL's `force_zeros_for_empty_prompt`), where the model has them."""
         raise NotImplementedError
 
-    def denoise(self, x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning]) -> torch.Tensor:
-        """One batched denoiser call: rows of latents, per-row timesteps and conditioning."""
-        return self.denoise_stacked(x, t, *self.stack_conditioning(rows))
+    #: per-row LoRA: the layers an adapter pool wrapped read each call's rows from here
+    #: (`engine.lora`); None while no pool is attached
+    adapter_rows = None
 
-    def stack_conditioning(self, rows: Sequence[Conditioning]) -> tuple[torch.Tensor, ...]:
-        """The rows' conditioning as the denoiser's batched tensors. Kept apart from
-        `denoise_stacked` so a CUDA graph can capture the denoiser on fixed buffers."""
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        """One batched denoiser call over `inputs.rows` rows (eager, or captured in a graph)."""
+        if self.adapter_rows is not None:
+            self.adapter_rows.bind(inputs.lora_index, inputs.lora_scale)
+        return self.forward(inputs)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The denoiser itself, its inputs passed by name: per layout."""
         raise NotImplementedError
 
-    def denoise_stacked(self, x: torch.Tensor, t: torch.Tensor, *conditioning: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning],
+                **request_inputs: torch.Tensor) -> torch.Tensor:
+        """`run` over latents, per-row timesteps, prompt rows and request inputs."""
+        return self.run(model_inputs(x, t, rows, **request_inputs))
 
     @property
     def decoder(self) -> VaeDecoder:
@@ -175,6 +219,14 @@ class DiffusionModel:
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         return self.decoder.decode(latents)
+
+
+def model_inputs(x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning],
+                 **request_inputs: torch.Tensor) -> ModelInputs:
+    """A `ModelInputs` from per-row prompt rows: their hidden (and pooled) rows stacked."""
+    t = t.reshape(1).expand(x.shape[0]) if t.dim() == 0 else t
+    pooled = None if rows[0].pooled is None else torch.stack([c.pooled for c in rows])
+    return ModelInputs(x, t, torch.stack([c.hidden for c in rows]), pooled, **request_inputs)
 
 
 class ClassConditionalModel(DiffusionModel):
@@ -206,9 +258,9 @@ class ClassConditionalModel(DiffusionModel):
             return f"unknown prompt {prompt!r}: this class-conditional model knows {', '.join(map(repr, self.prompts))}"
         return None
 
-    def guided(self, guidance: float) -> bool:
+    def cfg_scale(self, params) -> float | None:
         """DESIGN.md section 3's class-conditional loop: one row only at guidance 1."""
-        return guidance != 1.0
+        return None if params.guidance == 1.0 else float(params.guidance)
 
     def condition_index(self, prompt: str) -> int:
         return self.null_index if prompt == "" else self.prompts.index(prompt)
@@ -216,11 +268,8 @@ class ClassConditionalModel(DiffusionModel):
     def encode(self, prompts: Sequence[str]) -> list[Conditioning]:
         return [Conditioning(torch.tensor(self.condition_index(p), device=self.device)) for p in prompts]
 
-    def stack_conditioning(self, rows):
-        return (torch.stack([c.hidden for c in rows]),)
-
-    def denoise_stacked(self, x, t, labels):
-        return self.denoiser(x, t, class_labels=labels).sample
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.denoiser(inputs.sample, inputs.timestep, class_labels=inputs.hidden).sample
 
 
 class _PipelineModel(DiffusionModel):
@@ -235,9 +284,22 @@ class _PipelineModel(DiffusionModel):
         self.scheduler_config = dict(pipe.scheduler.config)
         self.scheduler_config["_class_name"] = type(pipe.scheduler).__name__
 
-    def make_default_scheduler(self):
-        """A fresh copy of the folder's own scheduler, as the pipeline runs it."""
-        return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+    def _encode_texts(self, prompts: list[str]) -> list[Conditioning]:
+        """Models that take a None prompt (zero rows): the encoder pass over the texts."""
+        raise NotImplementedError
+
+    def _encode_with_zero_rows(self, prompts: Sequence[str | None]) -> list[Conditioning]:
+        """`encode` for models whose pipeline feeds zeros for an absent negative prompt: the
+        texts in one encoder pass, each None as `zero_rows`, in the given order."""
+        texts = [p for p in prompts if p is not None]
+        encoded = iter(self._encode_texts(texts) if texts else ())
+        return [self.zero_rows if p is None else next(encoded) for p in prompts]
+
+    @functools.cached_property
+    def zero_rows(self) -> Conditioning:
+        """Zeros shaped as one prompt's rows, as the pipeline's `torch.zeros_like(prompt_embeds)`."""
+        c = self._encode_texts([""])[0]
+        return Conditioning(torch.zeros_like(c.hidden), None if c.pooled is None else torch.zeros_like(c.pooled))
 
 
 class StableDiffusionModel(_PipelineModel):
@@ -247,32 +309,38 @@ class StableDiffusionModel(_PipelineModel):
     def denoiser(self):
         return self.pipe.unet
 
-    def guided(self, guidance: float) -> bool:
+    def cfg_scale(self, params) -> float | None:
         """As the pipeline: only above 1, and never with a guidance embedding (LCM)."""
-        return guidance > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
+        return None if self.pipe.unet.config.time_cond_proj_dim is not None else super().cfg_scale(params)
+
+    def request_inputs(self, params, height: int, width: int) -> dict[str, torch.Tensor]:
+        dim = self.pipe.unet.config.time_cond_proj_dim
+        if dim is None:
+            return {}
+        # LCM: the guidance scale enters as an embedding of w = guidance − 1, as the pipeline builds it
+        w = torch.tensor(float(params.guidance) - 1).repeat(2)
+        embedding = self.pipe.get_guidance_scale_embedding(w, embedding_dim=dim)
+        return {"timestep_cond": embedding.to(self.device, torch.float32)}
 
     @torch.no_grad()
     def encode(self, prompts):
         embeds, _ = self.pipe.encode_prompt(list(prompts), self.device, 1, False)
         return [Conditioning(e) for e in embeds]
 
-    def stack_conditioning(self, rows):
-        return (torch.stack([c.hidden for c in rows]),)
-
-    def denoise_stacked(self, x, t, hidden):
-        return self.pipe.unet(x, t, encoder_hidden_states=hidden, return_dict=False)[0]
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)
+        return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
+                              timestep_cond=cond, return_dict=False)[0]
 
 
 class StableDiffusion3Model(_PipelineModel):
     pipeline_class = "StableDiffusion3Pipeline"
     max_sequence_length = 256  # the pipeline's default T5 length
+    denoiser_is_unet = False
 
     @property
     def denoiser(self):
         return self.pipe.transformer
-
-    def _latent_multiple(self) -> int:
-        return int(self.pipe.transformer.config.patch_size)
 
     @property
     def encoder_settings(self) -> tuple:
@@ -286,20 +354,28 @@ class StableDiffusion3Model(_PipelineModel):
             max_sequence_length=self.max_sequence_length)
         return [Conditioning(e, p) for e, p in zip(embeds, pooled)]
 
-    def stack_conditioning(self, rows):
-        return torch.stack([c.hidden for c in rows]), torch.stack([c.pooled for c in rows])
-
-    def denoise_stacked(self, x, t, hidden, pooled):
-        return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=hidden,
-                                     pooled_projections=pooled, return_dict=False)[0]
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.pipe.transformer(hidden_states=inputs.sample, timestep=inputs.timestep,
+                                     encoder_hidden_states=inputs.hidden, pooled_projections=inputs.pooled,
+                                     return_dict=False)[0]
 
 
-_PIPELINES = {"StableDiffusionPipeline": StableDiffusionModel, "StableDiffusion3Pipeline": StableDiffusion3Model}
+_PIPELINES = {
+    "StableDiffusionPipeline": StableDiffusionModel,
+    "StableDiffusion3Pipeline": StableDiffusion3Model,
+    # in their own modules, which subclass the classes above: imported on first use
+    "StableDiffusionXLPipeline": "engine.models.sdxl:StableDiffusionXLModel",
+    "FluxPipeline": "engine.models.flux:FluxModel",
+}
 
 
-def pipeline_class_of(path: pathlib.Path) -> str:
-    index = path / "model_index.json"
-    return json.loads(index.read_text()).get("_class_name", "") if index.exists() else "class-conditional"
+def model_class_of(kind: str) -> type[DiffusionModel] | None:
+    """The model class serving a pipeline class name, or None."""
+    entry = _PIPELINES.get(kind)
+    if isinstance(entry, str):
+        module, name = entry.split(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -329,7 +405,7 @@ def load_model(name_or_path: str | pathlib.Path = "shapes", device: str | torch.
         conditions = json.loads((path / "conditions.json").read_text())
         return ClassConditionalModel(path, unet.to(device).eval().requires_grad_(False), vae, scheduler_config,
                                      conditions, device, dtype)
-    model_class = _PIPELINES.get(kind)
+    model_class = model_class_of(kind)
     if model_class is None:
         raise ValueError(f"{path}: pipeline {kind!r} is not served; one of {', '.join(_PIPELINES)} "
                          "or the class-conditional layout")

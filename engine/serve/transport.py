@@ -6,12 +6,18 @@ clients on the same machine find a running engine without being told its address
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import pathlib
 import re
 import socket
 import tempfile
+
+import zmq
+
+from engine.processes import pid_alive
+from engine.protocol import SEGMENT_PREFIX
 
 SOCKET_PATTERN = re.compile(r"^diffslot-(\d+)\.sock$")
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
@@ -37,23 +43,8 @@ def ipc_path(address: str) -> pathlib.Path | None:
     return pathlib.Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process runs under this pid (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    try:
-        text = pathlib.Path(f"/proc/{pid}/stat").read_text()
-        return text[text.rindex(")") + 2:].split()[0] != "Z"
-    except (OSError, ValueError):
-        return True
-
-
 def check_bind_address(address: str, allow_remote: bool = False) -> None:
-    """Refuse to expose the engine beyond this machine unless asked to (no auth on the wire)."""
+    """Refuse to expose the engine beyond this machine unless asked to."""
     scheme, sep, rest = address.partition("://")
     if not sep:
         raise ValueError(f"address {address!r} lacks a scheme (ipc://PATH or tcp://HOST:PORT)")
@@ -70,7 +61,7 @@ def check_bind_address(address: str, allow_remote: bool = False) -> None:
     except ValueError:
         pass
     raise ValueError(f"refusing to bind {address}: not loopback (pass --allow-remote-bind to expose "
-                     "the engine to the network; the protocol has no authentication)")
+                     "the engine to the network, with --curve-secret-key to encrypt and authenticate it)")
 
 
 def ipc_in_use(path: pathlib.Path) -> bool:
@@ -120,6 +111,64 @@ def discover_address() -> str:
     raise ConnectionError("several engines are running, pass --address: " + ", ".join(live))
 
 
+# --------------------------------------------------------------------- CURVE (encryption and authentication)
+
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """A client's CURVE keys (Z85 text, 40 bytes each): the engine's public key, and this
+    client's own pair (a fresh one when the engine accepts any client that knows its key)."""
+
+    server_public: bytes
+    public: bytes = b""
+    secret: bytes = b""
+
+    def with_pair(self) -> "CurveKeys":
+        if self.public and self.secret:
+            return self
+        public, secret = zmq.curve_keypair()
+        return dataclasses.replace(self, public=public, secret=secret)
+
+
+def load_curve_keys(server_public_file: str, client_secret_file: str | None = None) -> CurveKeys:
+    """CurveKeys from zmq.auth certificate files: the engine's public one (NAME.key) and,
+    where the engine only accepts known clients, this client's secret one (NAME.key_secret)."""
+    import zmq.auth
+
+    server_public, _ = zmq.auth.load_certificate(server_public_file)
+    if client_secret_file is None:
+        return CurveKeys(server_public)
+    public, secret = zmq.auth.load_certificate(client_secret_file)
+    if not secret:
+        raise ValueError(f"{client_secret_file} holds no secret key (pass the NAME.key_secret file)")
+    return CurveKeys(server_public, public, secret)
+
+
+def make_curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    keys = keys.with_pair()
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
+    """Before bind: every connection to `sock` is encrypted, and only peers that know
+    `public` complete the handshake."""
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.curve_server = True
+
+
+def start_curve_authenticator(ctx: zmq.Context, authorized_keys_dir: str):
+    """A ZAP handler on `ctx` that admits only the client public keys found in the
+    directory (zmq.auth certificate files). Stop it before `ctx.term()`."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    authenticator = ThreadAuthenticator(ctx)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=authorized_keys_dir)
+    return authenticator
+
+
 class Waker:
     """Wakes a thread blocked in zmq.Poller from any thread (or a signal handler):
     a non-blocking pipe whose read end the poller watches. Not a ZMQ socket, because
@@ -154,7 +203,6 @@ class Waker:
 # --------------------------------------------------------------------- shared memory and children (R10)
 
 SHM_DIR = pathlib.Path("/dev/shm")
-SEGMENT_PREFIX = "diffslot-"
 
 
 def own_segments(pid: int | None = None) -> list[pathlib.Path]:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.loading import Conditioning, DiffusionModel
+from engine.models.inputs import ModelInputs
+from engine.models.loading import Conditioning, DiffusionModel, model_inputs
 
 
 class FaultyModel:
-    """Delegates everything to `model`; its `denoise` misbehaves for the poison prompts."""
+    """Delegates everything to `model`; its `run` misbehaves for the rows of the poison
+    prompts (recognised by their embedding rows, as the denoiser sees them)."""
 
     def __init__(self, model: DiffusionModel, *, raise_on: str | None = None, nan_on: str | None = None,
                  encode_raise_on: str | None = None, oom_above_rows: int | None = None):
         self._model = model
         self.encode_raise_on = encode_raise_on
         self._poison: dict[str, str] = {}
-        self._poison_rows: dict[int, str] = {}  # id(Conditioning) → fault, filled as prompts are encoded
+        self._poison_rows: list[tuple[torch.Tensor, str]] = []  # (hidden rows, fault), as prompts are encoded
         if raise_on is not None:
             self._poison[raise_on] = "raise"
         if nan_on is not None:
@@ -38,21 +40,31 @@ class FaultyModel:
         rows = self._model.encode(prompts)
         for prompt, row in zip(prompts, rows):
             if prompt in self._poison:
-                self._poison_rows[id(row)] = self._poison[prompt]
+                self._poison_rows.append((row.hidden, self._poison[prompt]))
         return rows
 
-    def denoise(self, x: torch.Tensor, t: torch.Tensor, rows) -> torch.Tensor:
-        self.calls.append(len(rows))
-        if self.oom_above_rows is not None and len(rows) > self.oom_above_rows:
-            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {len(rows)} rows")
-        faults = [self._poison_rows.get(id(row)) for row in rows]
+    def _fault_of(self, hidden: torch.Tensor) -> str | None:
+        for poisoned, fault in self._poison_rows:
+            if torch.equal(hidden, poisoned):
+                return fault
+        return None
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        rows = inputs.rows
+        self.calls.append(rows)
+        if self.oom_above_rows is not None and rows > self.oom_above_rows:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {rows} rows")
+        faults = [self._fault_of(h) for h in inputs.hidden] if self._poison_rows else [None] * rows
         if "raise" in faults:
             raise ValueError("injected fault: this input breaks the denoiser")
-        out = self._model.denoise(x, t, rows)
+        out = self._model.run(inputs)
         for i, fault in enumerate(faults):
             if fault == "nan":
                 out[i] = float("nan")
         return out
+
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, rows, **request_inputs) -> torch.Tensor:
+        return self.run(model_inputs(x, t, rows, **request_inputs))
 
 
 def parse_spec(spec: str) -> dict:

@@ -10,6 +10,12 @@ real checkpoints:
 * `build_sd3`: a `StableDiffusion3Pipeline` folder (two CLIP encoders with
   projection, optionally a T5 encoder, `SD3Transformer2DModel`, a 16-channel
   `AutoencoderKL` with a shift factor, `FlowMatchEulerDiscreteScheduler`).
+* `build_sdxl`: a `StableDiffusionXLPipeline` folder (two CLIP encoders, the
+  second with projection, a `UNet2DConditionModel` with SDXL's `text_time`
+  added conditioning, Euler with SDXL's betas and spacing).
+* `build_flux`: a `FluxPipeline` folder (CLIP for the pooled embedding, T5 for
+  the sequence, `FluxTransformer2DModel` with or without guidance embedding, a
+  16-channel VAE with a shift factor, FLUX's flow-matching scheduler).
 * `build_class_conditional`: the project's own class-conditional layout
   (`unet/` with class embeddings, `vae/`, `scheduler/`, `conditions.json`).
 
@@ -336,5 +342,162 @@ def build_sd3(folder, *, with_t5: bool = True, seed: int = 0, sample_size: int =
     return folder
 
 
-__all__ = ["VOCAB", "SD_SCHEDULERS", "TEST_CONDITIONS", "SCHEDULER_CONFIGS", "tiny_unet", "tiny_class_vae",
-           "build_class_conditional", "build_sd", "build_sd3"]
+def _t5_encoder(tokenizer, width: int):
+    """A tiny `T5EncoderModel` (gated-gelu as T5 v1.1, 2 layers, 4 heads)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        is_encoder_decoder=False, use_cache=False,
+    )).eval()
+
+
+#: SDXL base's scheduler config (scheduler/scheduler_config.json): Euler, leading spacing.
+SDXL_SCHEDULER = dict(SD_BETAS, prediction_type="epsilon", steps_offset=1, timestep_spacing="leading",
+                      interpolation_type="linear", use_karras_sigmas=False, sample_max_value=1.0,
+                      clip_sample=False, set_alpha_to_one=False, skip_prk_steps=True)
+
+
+def build_sdxl(folder, *, seed: int = 0, sample_size: int = 8, words=VOCAB, model_max_length: int = 16,
+               clip_hidden: tuple[int, int] = (32, 48), projection_dim: int = 40, time_embed_dim: int = 8,
+               force_zeros_for_empty_prompt: bool = True) -> pathlib.Path:
+    """Write a tiny `StableDiffusionXLPipeline` folder and return its path.
+
+    * `tokenizer/`, `tokenizer_2/`: CLIP BPE, 16 tokens; the first padded with
+      `<|endoftext|>` (CLIP-L), the second with `!` (OpenCLIP bigG), as SDXL's.
+    * `text_encoder/`: `CLIPTextModel`, hidden 32; `text_encoder_2/`:
+      `CLIPTextModelWithProjection`, hidden 48, projection `projection_dim`
+      (40, the pooled width). The prompt embeddings are the penultimate hidden
+      states of both, concatenated: B×16×80 (SDXL: 768 + 1280 = 2048).
+    * `unet/`: `UNet2DConditionModel` with SDXL's layout in small: blocks
+      (32, 64), DownBlock2D + CrossAttnDownBlock2D (attention only at the low
+      resolution), linear projections, `addition_embed_type="text_time"` with
+      `addition_time_embed_dim` 8, so the added embedding takes 6 × 8 time ids
+      + 40 pooled = 88; `sample_size` 8; an identity path as `build_sd`'s so
+      that latents stay O(1) under Euler.
+    * `vae/`: `AutoencoderKL`, blocks (32, 64) so 2 pixels per latent side
+      (native image 16×16), SDXL's scaling factor 0.13025.
+    * `scheduler/`: `EulerDiscreteScheduler` as SDXL base's (`SDXL_SCHEDULER`).
+    * `force_zeros_for_empty_prompt` (True, as SDXL base) in `model_index.json`.
+    """
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_clip_tokenizer(folder / "tokenizer", words, model_max_length)
+    tokenizer_2 = write_clip_tokenizer(folder / "tokenizer_2", words, model_max_length, pad_token="!")
+
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(_clip_text_config(tokenizer, clip_hidden[0])).eval()
+    torch.manual_seed(seed + 1)
+    text_encoder_2 = CLIPTextModelWithProjection(
+        _clip_text_config(tokenizer_2, clip_hidden[1], projection_dim=projection_dim, hidden_act="gelu")).eval()
+
+    torch.manual_seed(seed + 2)
+    unet = UNet2DConditionModel(
+        sample_size=sample_size, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=sum(clip_hidden), attention_head_dim=(2, 4), use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=time_embed_dim,
+        projection_class_embeddings_input_dim=6 * time_embed_dim + projection_dim, norm_num_groups=8,
+    ).eval()
+    _identity_path_(unet)
+
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=2 * sample_size,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, scaling_factor=0.13025,
+    ).eval()
+
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2, unet=unet, scheduler=EulerDiscreteScheduler.from_config(SDXL_SCHEDULER),
+        force_zeros_for_empty_prompt=force_zeros_for_empty_prompt, add_watermarker=False,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+#: FLUX.1's scheduler configs (scheduler/scheduler_config.json): dev shifts by the image's
+#: sequence length (`mu`), schnell by a fixed 1.0 (no shift).
+FLUX_SCHEDULERS = {
+    True: dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
+               max_image_seq_len=4096, base_shift=0.5, max_shift=1.15),
+    False: dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_image_seq_len=256,
+                max_image_seq_len=4096, base_shift=0.5, max_shift=1.15),
+}
+
+
+def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOCAB, model_max_length: int = 16,
+               clip_hidden: int = 32, t5_dim: int = 32, head_dim: int = 16, heads: int = 2) -> pathlib.Path:
+    """Write a tiny `FluxPipeline` folder and return its path: FLUX.1-dev's layout with
+    `guidance_embeds` (True), FLUX.1-schnell's without.
+
+    * `tokenizer/`: CLIP BPE, 16 tokens; `text_encoder/`: `CLIPTextModel`,
+      hidden 32: only its pooled output is used (`pooled_projection_dim` 32).
+    * `tokenizer_2/`: a unigram T5 tokenizer; `text_encoder_2/`:
+      `T5EncoderModel`, d_model `t5_dim` (32), 2 layers. The pipeline pads the
+      prompt to `max_sequence_length` (its default 512) T5 tokens, so the prompt
+      embeddings are B×512×32 (`joint_attention_dim`).
+    * `transformer/`: `FluxTransformer2DModel`, 64 input channels (16 latent
+      channels packed 2×2), one double and one single block, 2 heads of 16,
+      rotary axes (4, 6, 6), `guidance_embeds` as given. No `sample_size`: the
+      pipeline's default size is its own `default_sample_size` (128 latent
+      cells, so 256×256 pixels here); tests pass small sizes.
+    * `vae/`: `AutoencoderKL`, 16 latent channels, blocks (32, 64) so 2 pixels
+      per latent side (4 per packed token), no quant convs, FLUX's scaling
+      factor 0.3611 and shift factor 0.1159.
+    * `scheduler/`: `FlowMatchEulerDiscreteScheduler` as FLUX.1's (`FLUX_SCHEDULERS`):
+      dev with dynamic shifting (`mu` from the image sequence length), schnell
+      without.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_clip_tokenizer(folder / "tokenizer", words, model_max_length)
+    tokenizer_2 = write_t5_tokenizer(folder / "tokenizer_2", words)
+
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(_clip_text_config(tokenizer, clip_hidden)).eval()
+    torch.manual_seed(seed + 1)
+    text_encoder_2 = _t5_encoder(tokenizer_2, t5_dim)
+
+    torch.manual_seed(seed + 2)
+    rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)  # as FLUX's (16, 56, 56) of 128
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=head_dim,
+        num_attention_heads=heads, joint_attention_dim=t5_dim, pooled_projection_dim=clip_hidden,
+        guidance_embeds=guidance_embeds, axes_dims_rope=rope,
+    ).eval()
+
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, sample_size=32,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULERS[guidance_embeds]), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+__all__ = ["VOCAB", "SD_SCHEDULERS", "TEST_CONDITIONS", "SCHEDULER_CONFIGS", "SDXL_SCHEDULER", "FLUX_SCHEDULERS",
+           "tiny_unet", "tiny_class_vae", "build_class_conditional", "build_sd", "build_sd3", "build_sdxl",
+           "build_flux"]

@@ -1,0 +1,79 @@
+"""A request inside the core and its state machine (torch-free).
+
+    QUEUED ──admit──▶ RUNNING ──last step launched──▶ FINISHING ──fence, latents out──▶ DECODING ──decode_done──▶ DONE
+       │                 │                                 │
+       └─cancel─▶ DONE   └─cancel / fail─▶ (stays until the fence of its last launch) ─▶ DONE
+
+`status` is where the request is; `ending` says why it stops early (a cancel or a
+failure), set at once and acted on at the next safe point (R5, R15).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from engine.protocol import GenerateParams, Timings
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"  # in a slot, gets a row in its group's next batch
+    FINISHING = "finishing"  # last step launched, its fence pending
+    DECODING = "decoding"  # final latents published; decode reservation held
+    DONE = "done"
+
+
+class Ending(enum.Enum):
+    CANCELED = "canceled"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    params: GenerateParams
+    latent_shape: tuple[int, int, int]
+    cfg_scale: float | None  # classifier-free guidance: two rows a step (cond, uncond); None: one row
+    arrival: float
+    reservation: Any  # engine.core.ledger.Reservation
+    group_key: tuple = ()  # what must agree for requests to share a denoiser call (R2)
+    trajectory: Any = None  # engine.core.solvers.Trajectory: schedule and random stream
+    request_inputs: dict = dataclasses.field(default_factory=dict)  # per-request model inputs, 2 × field each
+    adapters: tuple[int, ...] = ()  # adapter-pool slots it references (released after its fence)
+    preview_steps: tuple[int, ...] = ()  # steps after which the x0 estimate is published
+    status: RequestStatus = RequestStatus.QUEUED
+    ending: Ending | None = None
+    failure: str | None = None  # why it failed (R15)
+    group: Any = None  # the SlotMap it runs in
+    slot: int = -1
+    admitted_at: float = 0.0
+    bypassed: int = 0  # requests admitted past it while it waited for memory (bounded)
+    steps_at_release: int = 0  # its slot's step index when the slot was released
+    timings: Timings = dataclasses.field(default_factory=Timings)
+
+    @property
+    def rows_per_step(self) -> int:
+        return 1 if self.cfg_scale is None else 2
+
+    @property
+    def stopping(self) -> bool:
+        """Canceled or failed: no new work is scheduled for it."""
+        return self.ending is not None
+
+    @property
+    def step(self) -> int:
+        """Steps launched so far (its slot's step index; 0 before admission)."""
+        if self.slot < 0:
+            return 0
+        if self.group.requests[self.slot] is not self:
+            return self.steps_at_release
+        return int(self.group.step_index[self.slot])
+
+    @property
+    def total_steps(self) -> int:
+        return self.trajectory.total
+
+    @property
+    def remaining_evals(self) -> int:
+        return (self.total_steps - self.step) * self.rows_per_step

@@ -1,0 +1,291 @@
+"""The runner: how one group's step runs. Builds the row map and gathers the per-row
+model inputs from slot-owned state, uploads the step's small arrays, calls the denoiser
+(eagerly or through a CUDA graph, in row chunks after an out-of-memory), isolates the
+requests whose rows make it raise (R15), applies the fused per-slot update (R3) and
+the generic schedulers' steps, takes x0 previews, and records the launch's fence."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine.core.device import PinnedBuffers, StepTimer
+from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
+from engine.core.kernels import update_slots
+from engine.core.slots import Batch, Group, Launch, Report
+from engine.core.solvers import G, NUM_COEFS, P, Q
+from engine.models.inputs import ModelInputs
+
+log = logging.getLogger("diffslot.core")
+
+
+class Runner:
+    def __init__(self, model, config, device: torch.device, fences, scheduler, schedule_capacity: int):
+        self.model, self.config, self.device, self.fences = model, config, device, fences
+        self.scheduler = scheduler  # for the row limit and advancing the slots of a launch
+        self.schedule_capacity = schedule_capacity
+        self.timer = StepTimer(device)  # device time per step (host time says nothing on CUDA)
+        self.denoiser_s = 0.0  # host seconds inside one-call denoiser steps: on a CPU, its busy time
+        self.useful_rows = self.padded_rows = 0
+        self.staged_uploads = device.type == "cuda"  # tests turn it on with CPU tensors
+        self.async_copies = device.type == "cuda"
+        # bucketed layout on CUDA: each bucket's denoiser call is captured once and replayed
+        self.graphed: GraphedDenoiser | None = None
+        if config.cuda_graphs and config.layout == "bucketed" and device.type == "cuda":
+            self.graphed = GraphedDenoiser(model, CudaGraphCapture(device))
+
+    def make_group(self, key: tuple, latent_shape: tuple[int, int, int]) -> Group:
+        return Group(key, latent_shape, self.config.slots, self.schedule_capacity, self.device)
+
+    # ---- the row map ---------------------------------------------------------------
+
+    def build_batch(self, group: Group) -> Batch:
+        layout = self.config.layout
+        act = np.flatnonzero(group.runnable)
+        steps = group.step_index[act]
+        two = group.two_rows[act]
+        if layout == "padded":
+            # a fixed batch: every slot, both branches, whatever it holds
+            row_slot = np.repeat(np.arange(group.slots), 2)
+            row_branch_uncond = np.tile([False, True], group.slots)
+            cond_row, uncond_row = 2 * act, np.where(two, 2 * act + 1, -1)
+        else:
+            rows_each = 1 + two
+            start = np.cumsum(rows_each) - rows_each
+            row_slot = np.repeat(act, rows_each)
+            row_branch_uncond = np.zeros(len(row_slot), dtype=bool)
+            row_branch_uncond[start[two] + 1] = True
+            cond_row, uncond_row = start, np.where(two, start + 1, -1)
+            if layout == "bucketed":
+                target = _bucket(len(row_slot), 2 * group.slots)
+                pad = target - len(row_slot)
+                row_slot = np.concatenate([row_slot, np.full(pad, act[0])])
+                row_branch_uncond = np.concatenate([row_branch_uncond, np.ones(pad, dtype=bool)])
+        useful = int(act.size + two.sum())
+        # per-row input divisor and timestep at the row's slot's own step (idle slots: step 0)
+        row_step = np.where(group.runnable[row_slot], group.step_index[row_slot], 0)
+        row_divisor = group.divisor_table[row_slot, row_step]
+        row_timestep = group.timestep_table[row_slot, row_step]
+        # each row's inputs: its slot's (the negative prompt's on the uncond branch); padding
+        # rows and idle slots borrow an active slot's, their output unused
+        cond_slot = np.where(group.runnable[row_slot], row_slot, act[0])
+        branch = (row_branch_uncond & group.two_rows[cond_slot]).astype(np.int64)
+        row_conditioning = group.conditioning[cond_slot, branch].tolist()
+        # noise, drawn from each stochastic request's own generator, in its own order
+        generic = group.generic[act]
+        kernel = ~generic
+        noisy = np.flatnonzero(group.stochastic[act][kernel])
+        noise_row = np.full(int(kernel.sum()), -1, dtype=np.int64)
+        noise_row[noisy] = np.arange(noisy.size)
+        kernel_slots = act[kernel]
+        if noisy.size:
+            requests = group.requests
+            noise = torch.stack([requests[s].trajectory.step_noise(int(group.step_index[s]))
+                                 for s in kernel_slots[noisy].tolist()])
+            noise = noise.to(self.device, non_blocking=True)
+        else:
+            noise = torch.empty(0, device=self.device)
+        index = np.stack([kernel_slots, cond_row[kernel], uncond_row[kernel], noise_row], axis=1).astype(np.int32)
+        coefs = group.coef_table[kernel_slots, steps[kernel]]
+        arrays = {"index": index, "coefs": coefs, "row_slot": row_slot, "row_divisor": row_divisor,
+                  "row_timestep": row_timestep, "row_input": 2 * cond_slot + branch}
+        dev = self._upload(group, arrays)
+        first = row_conditioning[0]
+        inputs = ModelInputs(
+            sample=None, timestep=dev["row_timestep"],
+            hidden=torch.stack([c.hidden for c in row_conditioning]),
+            pooled=None if first.pooled is None else torch.stack([c.pooled for c in row_conditioning]),
+            **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()})
+        return Batch(
+            slots=act, index=dev["index"], index_host=index, coefs=dev["coefs"],
+            generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),
+            row_slot=row_slot, row_index=dev["row_slot"], row_divisor=dev["row_divisor"], inputs=inputs,
+            noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful)
+
+    def _upload(self, group: Group, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The step's small arrays on the device. On CUDA through persistent page-locked
+        staging, packed: one asynchronous host-to-device copy a step (a `non_blocking` copy
+        from pageable memory would be synchronous); on CPU the arrays themselves."""
+        if not self.staged_uploads:
+            return {name: torch.from_numpy(a) for name, a in arrays.items()}
+        if group.staging is None:
+            rows, entries = 2 * group.slots, group.slots
+            group.staging = PinnedBuffers({
+                "index": (np.int32, (entries, 4)), "coefs": (np.float32, (entries, NUM_COEFS)),
+                "row_slot": (np.int64, (rows,)), "row_divisor": (np.float32, (rows,)),
+                "row_timestep": (np.float32, (rows,)), "row_input": (np.int64, (rows,))}, self.device)
+        staged = group.staging.acquire()
+        for name, array in arrays.items():
+            staged.host[name][:len(array)] = array
+        return staged.upload({name: len(array) for name, array in arrays.items()})
+
+    # ---- one step --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, group: Group) -> tuple[Launch, dict[int, Exception]]:
+        """Run one step of `group`. Returns the launch and the slots whose rows made the
+        denoiser raise (their requests fail; every other slot's step stands)."""
+        timing = self.timer.start()
+        batch = self.build_batch(group)
+        x_in = group.latents.index_select(0, batch.row_index) / batch.row_divisor[:, None]  # as scale_model_input
+        x_in = x_in.view(len(batch.row_slot), *group.latent_shape)
+        for slot, cond_row, uncond_row in batch.generic.tolist():  # the scheduler's own scaling
+            trajectory, t = group.requests[slot].trajectory, self._generic_timestep(group, slot)
+            scaled = trajectory.scale_model_input(group.latents[slot].view(1, *group.latent_shape), t)
+            x_in[cond_row] = scaled[0]
+            if uncond_row >= 0:
+                x_in[uncond_row] = scaled[0]
+        inputs = dataclasses.replace(batch.inputs, sample=x_in.to(self.model.dtype))
+        culprits: dict[int, Exception] = {}
+        try:
+            out = self._denoise_fitting(inputs)
+        except Exception as exc:  # R15: find the requests that cause it; the others go on
+            out, batch, culprits = self._isolate_failure(group, batch, inputs, exc)
+        previews = self._previews(group, batch, out)
+        update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
+        if len(batch.generic):
+            self._step_generic(group, batch, out, previews)
+        if previews and self.async_copies:  # to the host behind this step's fence, not by a draining .to("cpu")
+            previews = {slot: None if x0 is None else self.copy_to_host(x0) for slot, x0 in previews.items()}
+        # one reduction per step over the group's slots, read by the reaper after the fence: no
+        # per-slot device sync, no host-to-device copy
+        finite = torch.isfinite(group.latents).all(1)
+        fence = self.fences.record()
+        self.useful_rows += batch.useful_rows
+        self.padded_rows += batch.padded_rows
+        reports = []
+        for slot, step, request, final in self.scheduler.launched(group, fence, batch.slots.tolist()):
+            request.timings.padded_evals += batch.padded_rows
+            reports.append(Report(group, slot, int(group.epoch[slot]), request, step, final, previews.get(slot)))
+        self.timer.stop(timing)
+        return Launch(fence, reports, finite), culprits
+
+    def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
+        """The denoiser over the batch's rows (or a subset), in chunks of the row limit once
+        the device has run out of memory for more."""
+        n = inputs.rows
+        limit = self.scheduler.row_limit
+        if rows is None and (limit is None or limit >= n):  # the common case: one call
+            started = time.perf_counter()
+            out = (self.graphed or self.model.run)(inputs)
+            self.denoiser_s += time.perf_counter() - started  # on CUDA: the launches' host time
+            return out.reshape(n, -1)
+        rows = list(range(n)) if rows is None else rows
+        limit = limit or len(rows)
+        outs = []
+        for start in range(0, len(rows), limit):
+            chunk = rows[start:start + limit]
+            index = torch.tensor(chunk, device=self.device)
+            outs.append(self.model.run(inputs.select(index)).reshape(len(chunk), -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _denoise_fitting(self, inputs: ModelInputs) -> torch.Tensor:
+        """Device out of memory: halve the rows per denoiser call (and, through admission,
+        the slots in use) until the step fits; never die of it."""
+        while True:
+            try:
+                return self._denoise(inputs)
+            except Exception as exc:
+                rows = self.scheduler.row_limit or inputs.rows
+                if not _out_of_memory(exc) or rows == 1:
+                    raise
+                limit = self.scheduler.out_of_memory(rows)
+                log.warning("device out of memory at %d rows: now at most %d rows a call and %d slots a group",
+                            rows, limit, self.scheduler.slot_cap())
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _isolate_failure(self, group: Group, batch: Batch, inputs: ModelInputs, exc: Exception):
+        """The batch raised: run its requests' rows again in halves until the requests that
+        raise alone are found; keep every other row's output. Noise was drawn before the
+        denoiser, once, so no request's random stream shifts."""
+        rows_of = {}
+        for slot in batch.slots.tolist():
+            rows_of[slot] = np.flatnonzero(batch.row_slot == slot).tolist()
+            if not group.two_rows[slot] and self.config.layout != "compact":
+                rows_of[slot] = rows_of[slot][:1]  # padded layouts: only the cond row is useful
+        out = torch.zeros(inputs.rows, group.numel, device=self.device, dtype=self.model.dtype)
+        culprits: dict[int, Exception] = {}
+
+        def probe(slots: list[int]) -> None:
+            rows = [r for s in slots for r in rows_of[s]]
+            try:
+                out[rows] = self._denoise(inputs, rows).to(out.dtype)
+            except Exception as error:
+                if len(slots) == 1:
+                    culprits[slots[0]] = error
+                    return
+                probe(slots[: len(slots) // 2])
+                probe(slots[len(slots) // 2:])
+
+        probe(list(rows_of))
+        log.warning("batch of %d requests raised %s: %d request(s) fail alone", len(rows_of), exc, len(culprits))
+        if not culprits:
+            return out, batch, culprits
+        bad = list(culprits)
+        keep_entries = ~np.isin(batch.index_host[:, 0], bad)
+        keep_generic = ~np.isin(batch.generic[:, 0], bad) if len(batch.generic) else np.ones(0, bool)
+        keep = torch.from_numpy(keep_entries).to(self.device)
+        batch = dataclasses.replace(batch, index=batch.index[keep], index_host=batch.index_host[keep_entries],
+                                    coefs=batch.coefs[keep], generic=batch.generic[keep_generic],
+                                    slots=batch.slots[~np.isin(batch.slots, bad)])
+        return out, batch, culprits
+
+    def _previews(self, group: Group, batch: Batch, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        """x0 estimates of the slots whose preview is due after this step: the guided output
+        converted to the data prediction, x0 = p·x + q·out (the kernel's own first stage)."""
+        due = {}
+        for j, (slot, cond_row, uncond_row, _) in enumerate(batch.index_host.tolist()):
+            if int(group.step_index[slot]) + 1 not in group.requests[slot].preview_steps:
+                continue
+            guided = out[cond_row] if uncond_row < 0 else \
+                out[uncond_row] + batch.coefs[j, G] * (out[cond_row] - out[uncond_row])
+            due[slot] = batch.coefs[j, P] * group.latents[slot] + batch.coefs[j, Q] * guided.float()
+        for slot, cond_row, uncond_row in batch.generic.tolist():
+            if int(group.step_index[slot]) + 1 in group.requests[slot].preview_steps:
+                due[slot] = None  # filled from the scheduler's own x0 in `_step_generic`
+        return due
+
+    def _generic_timestep(self, group: Group, slot: int) -> torch.Tensor:
+        return group.requests[slot].trajectory.scheduler.timesteps[int(group.step_index[slot])]
+
+    def _step_generic(self, group: Group, batch: Batch, out: torch.Tensor, previews: dict) -> None:
+        """Slots whose scheduler the kernel does not express: the guidance combine as the
+        pipeline writes it, then the request's own scheduler's `step`."""
+        shape = (1, *group.latent_shape)
+        for slot, cond_row, uncond_row in batch.generic.tolist():
+            request = group.requests[slot]
+            guided = out[cond_row]
+            if uncond_row >= 0:
+                uncond = out[uncond_row]
+                guided = uncond + request.cfg_scale * (guided - uncond)
+            x = group.latents[slot].view(shape).clone()  # schedulers keep references (PNDM's cur_sample)
+            x_next, x0 = request.trajectory.scheduler_step(guided.view(shape).float(),
+                                                           self._generic_timestep(group, slot), x)
+            group.latents[slot].copy_(x_next.reshape(-1))
+            if slot in previews:  # the scheduler's own x0 where it reports one (PNDM does not)
+                previews[slot] = (x0 if x0 is not None else x_next).reshape(-1).clone()
+
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy into fresh page-locked memory, complete once the next fence
+        recorded on this stream is done."""
+        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)  # the CPU allocator's words
+
+
+def _bucket(rows: int, limit: int) -> int:
+    """Round up to a power of two (at most `limit`): few shapes, stable graphs."""
+    size = 1
+    while size < rows:
+        size *= 2
+    return max(rows, min(size, limit))

@@ -1,0 +1,144 @@
+"""`FluxPipeline` folders: FLUX.1-dev (guidance embedded in the transformer) and
+FLUX.1-schnell (without).
+
+The engine keeps FLUX's latents as the VAE's, C×h×w (16 channels), never packed: the
+fused update is elementwise and packing is a permutation, so the solver step is the
+same on either layout, and every other part of the engine (groups, decode workers,
+the `latent` output) sees the one latent shape `engine.models.geometry` gives. Only
+`forward` packs them, 2×2 cells into tokens as `FluxPipeline._pack_latents` does,
+with the pipeline's position ids, and unpacks the transformer's output as
+`FluxPipeline._unpack_latents` does.
+
+Per request and per row:
+
+- the embedded guidance (`guidance` request input, dev only): the pipeline's
+  `guidance_scale`, one value per row, so dev requests with different guidance share
+  a call;
+- `true_cfg`: the pipeline's `true_cfg_scale`; with a negative prompt given and above 1,
+  two rows a step (prompt, negative prompt) combined by the kernel's guidance
+  coefficient, as `neg + true_cfg * (cond - neg)`;
+- the schedule: `sigmas = linspace(1, 1/steps, steps)` and the shift `mu` from the
+  image's token count (`calculate_shift` with the scheduler config's sequence lengths
+  and shifts), as `FluxPipeline.__call__` computes them; dev's scheduler applies `mu`
+  (dynamic shifting), schnell's its fixed shift.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.models.inputs import ModelInputs
+from engine.models.loading import Conditioning, _PipelineModel
+
+#: Samplers FLUX runs: its own scheduler, and the kernel's flow-matching Euler (the same
+#: update). The others do not take the pipeline's `sigmas` (DPM-Solver++) or predict noise.
+FLUX_SAMPLERS = ("default", "flow_euler")
+MAX_TRUE_CFG = 100.0  # as the engine's bound on `guidance`
+
+
+class FluxModel(_PipelineModel):
+    pipeline_class = "FluxPipeline"
+    max_sequence_length = 512  # the pipeline's default T5 length
+    denoiser_is_unet = False
+
+    @property
+    def denoiser(self):
+        return self.pipe.transformer
+
+    @property
+    def guidance_embedded(self) -> bool:
+        """FLUX.1-dev: the guidance scale is an input of the transformer (distilled guidance)."""
+        return bool(self.pipe.transformer.config.guidance_embeds)
+
+    @property
+    def encoder_settings(self) -> tuple:
+        return ("max_sequence_length", self.max_sequence_length)
+
+    def check_params(self, params) -> tuple[str, str] | None:
+        for field in ("original_size", "crops_coords_top_left", "target_size"):
+            if getattr(params, field) is not None:
+                return field, "FluxPipeline takes no micro-conditioning (SDXL only)"
+        if (not isinstance(params.true_cfg, (int, float)) or not math.isfinite(params.true_cfg)
+                or not 0.0 <= params.true_cfg <= MAX_TRUE_CFG):
+            return "true_cfg", f"must be a finite number in [0, {MAX_TRUE_CFG:g}]"
+        if params.sampler not in FLUX_SAMPLERS:
+            return "sampler", f"FluxPipeline runs {' or '.join(FLUX_SAMPLERS)}, not {params.sampler!r}"
+        return None
+
+    def cfg_scale(self, params) -> float | None:
+        """Two rows only for true CFG, as the pipeline's `do_true_cfg`: `true_cfg_scale`
+        above 1 and a negative prompt given ("" counts). `guidance` never makes two rows:
+        dev embeds it, schnell ignores it."""
+        if params.true_cfg > 1.0 and params.negative_prompt is not None:
+            return float(params.true_cfg)
+        return None
+
+    def negative_text(self, params) -> str | None:
+        return params.negative_prompt
+
+    def schedule_options(self, height: int, width: int, steps: int) -> tuple:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipe.scheduler.config
+        _, h, w = self.latent_shape(height, width)
+        image_seq_len = (h // 2) * (w // 2)  # packed tokens, the pipeline's latents.shape[1]
+        mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        if config.get("use_flow_sigmas", False):  # the pipeline then lets the scheduler choose
+            return (("mu", mu),)
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        return (("sigmas", tuple(float(s) for s in sigmas)), ("mu", mu))
+
+    def request_inputs(self, params, height: int, width: int) -> dict[str, torch.Tensor]:
+        if not self.guidance_embedded:
+            return {}
+        # float32 as the pipeline's `torch.full([1], guidance_scale, dtype=torch.float32)`;
+        # both branches of a true-CFG request take the same embedded guidance
+        return {"guidance": torch.full((2,), float(params.guidance), dtype=torch.float32, device=self.device)}
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str | None]) -> list[Conditioning]:
+        return self._encode_with_zero_rows(prompts)
+
+    def _encode_texts(self, prompts: list[str]) -> list[Conditioning]:
+        embeds, pooled, _ = self.pipe.encode_prompt(prompt=list(prompts), prompt_2=None, device=self.device,
+                                                    num_images_per_prompt=1,
+                                                    max_sequence_length=self.max_sequence_length)
+        return [Conditioning(e, p) for e, p in zip(embeds, pooled)]
+
+    def _position_ids(self, text_tokens: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text ids, latent image ids) as the pipeline builds them: zeros for the text,
+        (0, row, column) per packed cell. Cached per shape: they depend on nothing else."""
+        cache = self.__dict__.setdefault("_ids", {})
+        key = (text_tokens, h, w)
+        if key not in cache:
+            pipe = self.pipe
+            text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
+            text_ids = torch.zeros(text_tokens, 3).to(device=self.device, dtype=text_dtype)
+            image_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
+            cache[key] = (text_ids, image_ids)
+        return cache[key]
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        pipe = self.pipe
+        rows, channels, h, w = inputs.sample.shape
+        packed = pipe._pack_latents(inputs.sample.to(self.dtype).contiguous(), rows, channels, h, w)
+        text_ids, image_ids = self._position_ids(int(inputs.hidden.shape[1]), h, w)
+        guidance = inputs.guidance if self.guidance_embedded else None
+        out = pipe.transformer(
+            hidden_states=packed,
+            timestep=inputs.timestep.to(self.dtype) / 1000,  # the pipeline's `timestep / 1000`
+            guidance=guidance,
+            pooled_projections=inputs.pooled,
+            encoder_hidden_states=inputs.hidden,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        # back to C×h×w, as the pipeline's own decode path unpacks (pixel sizes in, as there)
+        scale = self.vae_scale
+        return pipe._unpack_latents(out, h * scale, w * scale, scale)

@@ -1,0 +1,64 @@
+"""The per-row model-input contract: everything one denoiser call takes, row by row.
+
+The runner's row map gathers a `ModelInputs` from slot-owned state for every call; the
+model's `run(inputs)` passes the fields to its denoiser by name (the shape of
+diffusers' `added_cond_kwargs`). The eager path, the CUDA-graph path
+(`engine.core.graphs`, which captures `run` on buffers of these very fields) and the
+tests all use this one structure.
+
+Two kinds of per-row input:
+
+* prompt rows (`hidden`, `pooled`): per prompt, shared through the embedding cache;
+* request inputs (`time_ids`, `guidance`, `timestep_cond`, `lora_index`, `lora_scale`,
+  `image_latents`): per request and branch, built once at admission by the model's
+  `request_inputs` and held by the slot; they never go through the embedding cache.
+
+Which model takes which (a field a model does not take stays None):
+
+| field | SD | SDXL | SD3 | FLUX | class-cond. |
+|---|---|---|---|---|---|
+| sample, timestep | yes | yes | yes | yes | yes |
+| hidden | CLIP | CLIP-L + CLIP-G | CLIP + T5 | T5 | class index |
+| pooled | | CLIP-G | CLIP-L + CLIP-G | CLIP-L | |
+| time_ids | | add_time_ids | | | |
+| guidance | | | | dev (embedded) | |
+| timestep_cond | LCM UNets | LCM UNets | | | |
+| lora_index, lora_scale | adapters | adapters | adapters | adapters | |
+| image_latents | 9-ch. inpaint | 9-ch. inpaint | | | |
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+#: Request-input fields: per request and branch, held by the slot, gathered per row.
+REQUEST_FIELDS = ("time_ids", "guidance", "timestep_cond", "lora_index", "lora_scale", "image_latents")
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    """One denoiser call's inputs, one leading row per batch row."""
+
+    sample: torch.Tensor  # rows × C × h × w, already scaled as the scheduler's scale_model_input
+    timestep: torch.Tensor  # rows, float32, the schedule's own timestep values
+    hidden: torch.Tensor  # rows × sequence × width (class-conditional: rows, the class index)
+    pooled: torch.Tensor | None = None  # rows × width
+    time_ids: torch.Tensor | None = None  # rows × 6: SDXL's micro-conditioning
+    guidance: torch.Tensor | None = None  # rows: FLUX-dev's embedded (distilled) guidance scale
+    timestep_cond: torch.Tensor | None = None  # rows × time_cond_proj_dim: LCM's guidance embedding
+    lora_index: torch.Tensor | None = None  # rows × K int32: adapter slots in the pool, -1 none
+    lora_scale: torch.Tensor | None = None  # rows × K float32: each adapter's scale
+    image_latents: torch.Tensor | None = None  # rows × C' × h × w: extra input channels (inpainting)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The fields that are present, by name, in declaration order (a graph's buffers)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def select(self, rows: torch.Tensor) -> "ModelInputs":
+        """The same inputs for a subset of rows (index tensor on the inputs' device)."""
+        return ModelInputs(**{name: value.index_select(0, rows) for name, value in self.named().items()})
+
+    @property
+    def rows(self) -> int:
+        return int(self.sample.shape[0])

@@ -1,0 +1,227 @@
+"""The scheduler alone: no model, no torch (as vLLM's scheduler tests build a scheduler
+and requests from plain data). Admission, groups, fairness, bounds and request states."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from engine.core.config import CoreConfig
+from engine.core.ledger import Ledger, Reservation
+from engine.core.outputs import RequestCanceled, RequestFailed, RequestRejected
+from engine.core.requests import Ending, Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.slot_map import SlotMap
+from engine.protocol import GenerateParams
+
+SHAPE = (4, 8, 8)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def create_scheduler(slots: int = 2, trajectory_bytes: int = 1000, decode_buffers: int = 8, **config):
+    outputs: list = []
+    made: list[tuple] = []
+
+    def make_group(key, latent_shape):
+        made.append(key)
+        return SlotMap(key, latent_shape, slots)
+
+    cfg = CoreConfig(slots=slots, decode_buffers=decode_buffers, **config)
+    scheduler = Scheduler(cfg, Ledger(trajectory_bytes, decode_buffers, 1 << 30), make_group, Clock(), outputs)
+    return scheduler, outputs, made
+
+
+def create_request(rid: str, steps: int = 4, nbytes: int = 100, shape=SHAPE, guided: bool = True) -> Request:
+    trajectory = types.SimpleNamespace(total=steps)
+    request = Request(rid, GenerateParams(prompt="p", steps=steps), shape, 3.0 if guided else None, 0.0,
+                      Reservation(nbytes, 10), group_key=("model", shape))
+    request.trajectory = trajectory
+    return request
+
+
+def create_requests(n: int, **kwargs) -> list[Request]:
+    return [create_request(f"r{i}", **kwargs) for i in range(n)]
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def finish_step(scheduler: Scheduler, group: SlotMap) -> list:
+    return scheduler.launched(group, object(), [s for s in range(group.slots) if group.runnable[s]])
+
+
+def test_the_scheduler_imports_no_torch():
+    code = ("import sys; import engine.core.scheduler, engine.core.slot_map, engine.core.requests; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_fifo_admission_fills_free_slots_and_queues_the_rest():
+    scheduler, _, _ = create_scheduler(slots=2)
+    for r in create_requests(3):
+        scheduler.add(r)
+    assert ids(scheduler.admit()) == ["r0", "r1"]
+    assert [r.status for r in scheduler.requests.values()] == [RequestStatus.RUNNING] * 2 + [RequestStatus.QUEUED]
+    assert scheduler.admit() == []  # the group is full
+    (group,) = scheduler.groups.values()
+    assert group.requests[0].request_id == "r0" and group.active == 2
+
+
+def test_a_full_queue_rejects_at_once_and_a_reused_id_names_request_id():
+    scheduler, _, _ = create_scheduler(max_queue=1)
+    scheduler.add(create_request("a"))
+    with pytest.raises(RequestRejected) as full:
+        scheduler.add(create_request("b"))
+    assert full.value.field is None and "queue full" in full.value.reason
+    with pytest.raises(RequestRejected) as reused:
+        scheduler.add(create_request("a"))
+    assert reused.value.field == "request_id"
+
+
+def test_requests_of_other_shapes_get_their_own_group_and_groups_take_turns():
+    scheduler, _, made = create_scheduler(slots=1)
+    scheduler.add(create_request("small"))
+    scheduler.add(create_request("big", shape=(4, 16, 16)))
+    assert ids(scheduler.admit()) == ["small", "big"] and len(made) == 2
+    served = []
+    for _ in range(4):
+        group = scheduler.pick_group()
+        served.append(group.latent_shape)
+        finish_step(scheduler, group)
+    assert served == [SHAPE, (4, 16, 16)] * 2
+    assert scheduler.group_wait_max == 1
+
+
+def test_a_request_that_does_not_fit_lets_a_bounded_number_pass_then_waits_first():
+    scheduler, _, _ = create_scheduler(slots=8, trajectory_bytes=1000, bypass_limit=2)
+    scheduler.add(create_request("filler", nbytes=600))
+    assert ids(scheduler.admit()) == ["filler"]
+    scheduler.add(create_request("huge", nbytes=700))  # fits only once the filler is gone
+    for r in create_requests(4, nbytes=50):
+        scheduler.add(r)
+    # two small ones pass the waiting request, then it blocks everyone behind it
+    assert ids(scheduler.admit()) == ["r0", "r1"]
+    assert scheduler.requests["huge"].bypassed == 2
+    assert scheduler.admit() == []
+    # the memory comes back: the aged request goes first
+    for rid in ("filler", "r0", "r1"):
+        request = scheduler.requests[rid]
+        scheduler.release_slot(request)
+    assert ids(scheduler.admit())[0] == "huge"
+
+
+def test_srpt_admits_least_remaining_work_first_and_ages_bypassed_requests():
+    scheduler, _, _ = create_scheduler(slots=1, policy="srpt", bypass_limit=2)
+    scheduler.add(create_request("long", steps=50))
+    scheduler.add(create_request("short", steps=4))
+    assert ids(scheduler.admit()) == ["short"]
+    scheduler.requests["long"].bypassed = 2  # passed twice already: its turn, whatever its length
+    scheduler.add(create_request("shorter", steps=2))
+    scheduler.release_slot(scheduler.requests["short"])
+    assert ids(scheduler.admit()) == ["long"]
+
+
+def test_idle_groups_are_evicted_beyond_the_bound_and_busy_ones_never():
+    scheduler, _, made = create_scheduler(slots=1, max_groups=2)
+    sizes = [(4, 8 * k, 8) for k in range(1, 5)]
+    for k, shape in enumerate(sizes[:2]):
+        scheduler.add(create_request(f"s{k}", shape=shape))
+    assert len(scheduler.admit()) == 2
+    scheduler.add(create_request("third", shape=sizes[2]))
+    assert scheduler.admit() == [] and len(scheduler.groups) == 2  # both groups busy: it waits
+    scheduler.release_slot(scheduler.requests["s0"])
+    assert ids(scheduler.admit()) == ["third"]
+    assert len(scheduler.groups) == 2 and ("model", sizes[0]) not in scheduler.groups
+    assert scheduler.stats()["groups_evicted"] == 1
+
+
+def test_a_group_that_cannot_be_allocated_fails_only_its_request():
+    scheduler, outputs, _ = create_scheduler(slots=1)
+
+    def make_group(key, shape):
+        if shape != SHAPE:
+            raise MemoryError("cannot allocate")
+        return SlotMap(key, shape, 1)
+
+    scheduler.make_group = make_group
+    scheduler.add(create_request("too-big", shape=(4, 64, 64)))
+    scheduler.add(create_request("fine"))
+    assert ids(scheduler.admit()) == ["fine"]
+    assert [type(o) for o in outputs] == [RequestFailed] and outputs[0].request_id == "too-big"
+    assert "too-big" not in scheduler.requests
+
+
+def test_static_admission_waits_for_the_whole_batch():
+    scheduler, _, _ = create_scheduler(slots=2, admission="static")
+    for r in create_requests(3):
+        scheduler.add(r)
+    assert len(scheduler.admit()) == 2
+    scheduler.release_slot(scheduler.requests["r0"])
+    assert scheduler.admit() == []  # r1 still runs
+    scheduler.release_slot(scheduler.requests["r1"])
+    assert ids(scheduler.admit()) == ["r2"]
+
+
+def test_abort_of_a_queued_request_ends_it_at_once_and_a_running_one_drains():
+    scheduler, outputs, _ = create_scheduler(slots=1)
+    running, queued = create_request("running"), create_request("queued")
+    scheduler.add(running)
+    scheduler.add(queued)
+    scheduler.admit()
+    drain = scheduler.abort(["queued", "running", "running", "unknown"])
+    assert drain == [running] and running.ending is Ending.CANCELED
+    assert not running.group.runnable[running.slot] and running.group.requests[running.slot] is running
+    assert [type(o) for o in outputs] == [RequestCanceled] and outputs[0].request_id == "queued"
+    assert "queued" not in scheduler.requests and not scheduler.queue
+
+
+def test_launched_advances_each_slot_and_marks_the_last_step_finishing():
+    scheduler, _, _ = create_scheduler(slots=2)
+    scheduler.add(create_request("two", steps=2))
+    scheduler.add(create_request("three", steps=3, guided=False))
+    scheduler.admit()
+    group = scheduler.pick_group()
+    finish_step(scheduler, group)
+    advanced = finish_step(scheduler, group)
+    assert [(step, r.request_id, final) for _, step, r, final in advanced] == [(2, "two", True), (2, "three", False)]
+    two, three = scheduler.requests["two"], scheduler.requests["three"]
+    assert two.status is RequestStatus.FINISHING and two.step == 2 and two.timings.evals == 4
+    assert three.status is RequestStatus.RUNNING and three.timings.evals == 2 and three.remaining_evals == 1
+
+
+def test_the_row_limit_after_out_of_memory_caps_slots_and_recovers():
+    scheduler, _, _ = create_scheduler(slots=8, oom_recovery_batches=3)
+    scheduler.add(create_request("r"))
+    scheduler.admit()
+    assert scheduler.out_of_memory(16) == 8 and scheduler.slot_cap() == 4
+    assert scheduler.out_of_memory(8) == 4 and scheduler.slot_cap() == 2
+    group = scheduler.pick_group()
+    for _ in range(3):
+        scheduler.launched(group, object(), [])
+    assert scheduler.row_limit == 8
+    for _ in range(3):
+        scheduler.launched(group, object(), [])
+    assert scheduler.row_limit is None and scheduler.slot_cap() == 8
+
+
+def test_decode_done_returns_the_reservation_once():
+    scheduler, _, _ = create_scheduler(slots=1)
+    request = create_request("r")
+    scheduler.add(request)
+    scheduler.admit()
+    scheduler.denoised(request)
+    scheduler.release_slot(request)
+    assert scheduler.ledger.used.trajectory_bytes == 0 and scheduler.ledger.used.decode_buffers == 1
+    assert scheduler.decode_done("r") is True
+    assert scheduler.decode_done("r") is False
+    assert scheduler.ledger.used.decode_buffers == 0 and not scheduler.requests
