@@ -26,6 +26,7 @@ setup(
         "pyzmq>=26",
         "msgspec>=0.19",
         "safetensors",
+        "peft>=0.17",  # LoRA adapters (`--lora-dir`): diffusers' loaders build peft configs
         "pillow",
         "numpy",
         "prometheus-client",

@@ -47,7 +47,7 @@ from engine.protocol import GenerateParams  # noqa: E402
 from engine.serve.launcher import EngineProcess, serve_command, stop_process  # noqa: E402
 from frontend.client import AsyncClient  # noqa: E402
 
-PROMPTS = [f"a {c} {s}" for c in ("red", "green", "blue") for s in ("circle", "square", "triangle", "cross")]
+from engine.models.shapes.draw import PROMPTS  # noqa: E402
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")
 
 

@@ -18,8 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 #: The prompts the benchmarks draw from: the 12 prompts `shapes` understands (R13); every
 #: word is a token of the tiny SD folder's vocabulary too.
-PROMPTS = tuple(f"a {color} {shape}" for color in ("red", "green", "blue")
-                for shape in ("circle", "square", "triangle", "cross"))
+from engine.models.shapes.draw import PROMPTS  # noqa: E402,F401
 
 
 def bench_model_folder(name: str, tmp: pathlib.Path) -> tuple[pathlib.Path, str]:

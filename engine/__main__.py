@@ -1,12 +1,32 @@
-"""`python -m engine {serve,health,demo,queue-instrument}` (also the `diffslot` console script)."""
+"""`python -m engine {serve,health,demo,queue-instrument}` (also the `diffslot` console script).
+
+The flags of `serve` and `demo` are made from the configuration dataclasses' fields
+(`CoreConfig`, `DecodeConfig`, `ProcConfig`; engine.serve.options), so each default is
+the field's own; only the model's loading options and the address are written here.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from engine.core.config import ADMISSIONS, LAYOUTS
-from engine.serve.options import add_proc_arguments, proc_config_from_args
+from engine.core.config import ADMISSIONS, LAYOUTS, CoreConfig
+from engine.decode.stage import DecodeConfig
+from engine.serve.options import add_config_arguments, add_proc_arguments, config_from_args, flag, \
+    proc_config_from_args
+
+# CoreConfig lives with the core: its flags' names and help are given here
+CORE_FLAGS = {
+    "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape"),
+    "layout": flag("--layout", choices=LAYOUTS, help="how a batch is assembled from the active slots"),
+    "admission": flag("--admission", choices=ADMISSIONS,
+                      help="continuous: free slots are filled at every step; static: a new batch when the last "
+                           "one finished"),
+    "max_queue": flag("--max-queue", metavar="N", help="requests waiting for a slot before Rejected"),
+    "cuda_graphs": flag("--no-cuda-graphs", negate=True,
+                        help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
+                             "CUDA graph per bucket"),
+}
 
 
 def default_device() -> str:
@@ -18,20 +38,12 @@ def default_device() -> str:
 def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     """The engine's flags, shared by `serve` and `demo`."""
     ap.add_argument("--model", default="shapes", help="'shapes' (embedded) or a diffusers model folder")
-    ap.add_argument("--slots", type=int, default=16, help="trajectories denoised together")
-    ap.add_argument("--layout", choices=LAYOUTS, default="compact")
-    ap.add_argument("--admission", choices=ADMISSIONS, default="continuous")
-    ap.add_argument("--decode-workers", type=int, default=None,
-                    help="decode worker processes (default: 0 on a CPU under 16 cores, so decoding takes none "
-                         "of the denoiser's cores; 1 on CUDA)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                     help="the weights' dtype (denoiser, encoders, in-process VAE); latents and solver state stay "
                          "float32 (default %(default)s; float16 or bfloat16 on a GPU)")
-    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before Rejected")
-    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                    help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
-                         "CUDA graph per bucket")
+    add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS)
+    add_config_arguments(ap.add_argument_group("decode"), DecodeConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.add_argument("--address", default=None,
                        help="ipc://PATH or tcp://HOST:PORT (default: ipc socket in the user's runtime dir)")
-    serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1")
-    serve.add_argument("--allow-remote-bind", action="store_true",
-                       help="allow a non-loopback tcp address (use --auth-token-file with it)")
     add_proc_arguments(serve)
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument("--inject-faults", default=None, metavar="SPEC", help=argparse.SUPPRESS)  # tests only:
@@ -51,11 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--core", default=None, metavar="MODULE:FACTORY",
                        help="serve another core behind the same process and IO path (benchmark baselines): "
                             "FACTORY(model, CoreConfig) returns an object with the CoreInterface calls")
-    health = sub.add_parser("health", help="liveness/readiness probe: handshake and a stats round trip")
+    health = sub.add_parser("health", help="liveness/readiness probe, answered while a step runs")
     health.add_argument("--address", default=None, help="default: $DIFFSLOT_ADDRESS or the one local engine")
-    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds for the handshake and for the answer, each (default %(default)s)")
     health.add_argument("--ready", action="store_true", help="also fail (exit 1) while the engine drains")
     health.add_argument("--auth-token-file", default=None, metavar="PATH", help="default: $DIFFSLOT_TOKEN")
+    health.add_argument("--curve-server-key", default=None, metavar="FILE",
+                        help="the engine's public CURVE certificate (default: $DIFFSLOT_CURVE_SERVER_KEY)")
+    health.add_argument("--curve-client-key", default=None, metavar="FILE",
+                        help="this client's secret CURVE certificate, where the engine admits only known keys "
+                             "(default: $DIFFSLOT_CURVE_CLIENT_KEY)")
     demo = sub.add_parser("demo", help="start an engine, run a mixed batch, write a PNG grid")
     add_engine_arguments(demo)
     demo.add_argument("--out", default="out/demo_grid.png", help="where to write the grid")
@@ -69,15 +84,14 @@ def serve(args: argparse.Namespace) -> int:
     address = args.address or transport.default_address()
     try:  # fail before the slow imports and model load
         transport.check_bind_address(address, args.allow_remote_bind)
-        proc_config = proc_config_from_args(args, address=address, allow_remote_bind=args.allow_remote_bind,
-                                            metrics_port=args.metrics_port, model_name=str(args.model))
+        proc_config = proc_config_from_args(args, address=address, model_name=str(args.model))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     import torch
 
-    from engine.core import CoreConfig, EngineCore
+    from engine.core import EngineCore
     from engine.serve.proc import configure_logging, run_engine
 
     configure_logging(getattr(logging, args.log_level.upper(), logging.INFO))
@@ -93,15 +107,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     log.info("loading model %s on %s (%s)", args.model, device, args.dtype)
     model = load_model(args.model, device, dtype=args.dtype)
-    config = CoreConfig(slots=args.slots, layout=args.layout, admission=args.admission,
-                        max_queue=args.max_queue, device=device, cuda_graphs=args.cuda_graphs)
+    config = config_from_args(CoreConfig, args, specs=CORE_FLAGS, device=device)
+    decode_config = config_from_args(DecodeConfig, args)
     if args.inject_faults:
         from engine.testing.faults import FaultyModel, parse_spec
 
         model = FaultyModel(model, **parse_spec(args.inject_faults))
     core = _core_factory(args.core)(model, config) if args.core else EngineCore(model, config)
     return run_engine(core, proc_config,  # the arena holds every decode that admission reserves
-                      lambda on_ready: make_decode_stage(model, args.decode_workers, on_ready,
+                      lambda on_ready: make_decode_stage(model, decode_config, on_ready,
                                                          buffers=core.config.decode_buffers))
 
 
@@ -122,9 +136,13 @@ def main(argv=None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "health":
+        import os
+
         from engine.serve.health import main as health
 
-        return health(args.address, args.timeout, args.ready, args.auth_token_file)
+        return health(args.address, args.timeout, args.ready, args.auth_token_file,
+                      args.curve_server_key or os.environ.get("DIFFSLOT_CURVE_SERVER_KEY"),
+                      args.curve_client_key or os.environ.get("DIFFSLOT_CURVE_CLIENT_KEY"))
     if args.command == "demo":
         from engine.demo import main as demo
 

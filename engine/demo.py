@@ -22,11 +22,9 @@ import numpy as np
 
 from engine.serve import transport
 from engine.serve.launcher import launched_engine
+from engine.models.shapes.draw import PROMPTS as SHAPES_PROMPTS
 
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")  # the mix the demo runs (of engine.protocol.SAMPLERS)
-# the prompts of the embedded `shapes` model (a text model: Welcome lists no prompts)
-SHAPES_PROMPTS = [f"a {color} {shape}" for color in ("red", "green", "blue")
-                  for shape in ("circle", "square", "triangle", "cross")]
 STEPS = (8, 15, 25, 40)
 GUIDANCE = (1.0, 3.0, 5.0)
 LONG_STEPS = 200
@@ -84,7 +82,8 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
 
     with launched_engine(command, address, log_path) as (process, client):
         welcome = client.welcome
-        prompts = [p for p in welcome.prompts if p] or SHAPES_PROMPTS
+        # a text model's Welcome lists no prompts: the ones the embedded `shapes` knows
+        prompts = [p for p in welcome.prompts if p] or list(SHAPES_PROMPTS)
         print(f"engine pid {welcome.engine_pid} on {address}: model {welcome.model} ({welcome.pipeline}), "
               f"{len(prompts)} prompts, native size {welcome.native_size}")
         requests = plan(prompts)

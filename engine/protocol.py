@@ -71,6 +71,11 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     crops_coords_top_left: tuple[int, int] | None = None
     target_size: tuple[int, int] | None = None
     loras: dict[str, float] = {}  # adapter name → scale (`--lora-dir`)
+    # image inputs (img2img, inpainting): PNG, JPEG or WebP bytes; the mask white = repaint.
+    # On the wire they travel as their own frames beside Submit, not inside the message.
+    image: bytes | None = None
+    mask: bytes | None = None
+    strength: float | None = None  # 0 < s ≤ 1; None: the model's image pipeline's own default
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -84,6 +89,7 @@ class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     evals: int = 0  # useful denoiser rows computed for this request
     padded_evals: int = 0  # rows computed in its batches that served no one
     encode_s: float = 0.0  # its prompts' text-encoder pass (0 when the embedding cache had them)
+    image_encode_s: float = 0.0  # its image inputs' VAE encoder pass at admission (0 without an image)
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,

@@ -16,9 +16,17 @@ that died.
 
 An engine started with `--auth-token-file` wants its token in Hello: pass
 `Client(address, token=...)` or set $DIFFSLOT_TOKEN; a wrong or missing token fails
+`connect()` with AuthenticationError. An engine started with `--curve-secret-key`
+talks only CURVE: pass `Client(address, curve=load_curve_keys(server_key_file[,
+client_secret_file]))`, or set $DIFFSLOT_CURVE_SERVER_KEY (and
+$DIFFSLOT_CURVE_CLIENT_KEY) to those files; a failed CURVE handshake also fails
 `connect()` with AuthenticationError. A Submit larger than the engine's
 `Welcome.max_message_bytes` is not sent: its handle ends at once with a `Rejected`
 naming the limit (the engine answers a raw oversized frame the same way).
+
+Every final message that follows bytes the engine sent (a Completed, or a Canceled or
+Failed after partial images) is acknowledged with `Delivered`, which returns those
+bytes to this client's budget on the engine.
 """
 from __future__ import annotations
 
@@ -37,17 +45,27 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.serve import transport
 from engine.protocol import (
     PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
-    GenerateParams, Goodbye, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected, Stats, StatsReply,
-    Submit, Welcome, encoder, engine_decoder,
+    GenerateParams, Goodbye, Health, HealthReply, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected,
+    Stats, StatsReply, Submit, Welcome, encoder, engine_decoder,
 )
+from engine.serve import transport
+from engine.serve.transport import CurveKeys, load_curve_keys
 
 log = logging.getLogger("diffslot.client")
 
 Result = Completed | Canceled | Rejected | Failed
 _END = object()  # closes a handle's progress stream
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+CURVE_SERVER_KEY_ENV = "DIFFSLOT_CURVE_SERVER_KEY"
+CURVE_CLIENT_KEY_ENV = "DIFFSLOT_CURVE_CLIENT_KEY"
+
+
+def curve_keys_from_env() -> CurveKeys | None:
+    server = os.environ.get(CURVE_SERVER_KEY_ENV)
+    return load_curve_keys(server, os.environ.get(CURVE_CLIENT_KEY_ENV) or None) if server else None
 
 
 class EngineDeadError(ConnectionError):
@@ -76,6 +94,7 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[RequestHandle], None]] = []
         self._lock = threading.Lock()
+        self.partial_images_received = 0  # written by the IO thread only
 
     def progress(self, timeout: float | None = None) -> Iterator[Progress]:
         """Progress(step, total) after each denoising step, until the request ends.
@@ -143,6 +162,7 @@ class RequestHandle:
         if isinstance(msg, Progress):
             self._progress.put(msg)
         elif isinstance(msg, PartialImage):
+            self.partial_images_received += 1
             self._partials.put(msg)
             for fn in self._partial_callbacks:
                 try:
@@ -176,14 +196,15 @@ class Client:
     """A connection to one engine. Use as a context manager, or call connect()/close()."""
 
     def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = "",
-                 token: str | None = None):
+                 token: str | None = None, curve: CurveKeys | None = None):
         self.address = address or transport.discover_address()
         self.connect_timeout = connect_timeout
         self.name = name
         self.token = token if token is not None else os.environ.get("DIFFSLOT_TOKEN", "")
+        self.curve = curve if curve is not None else curve_keys_from_env()
         self.welcome: Welcome | None = None
         self._handles: dict[str, RequestHandle] = {}
-        self._stats_waiters: dict[int, list] = {}
+        self._waiters: dict[int, _Waiter] = {}  # Stats and Health round trips, by token
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._outbox: collections.deque = collections.deque()  # messages user threads want sent
@@ -211,7 +232,10 @@ class Client:
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if self.curve is not None:
+            transport.make_curve_client(self._socket, self.curve)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                                        | _HANDSHAKE_FAILED)
         self._socket.connect(self.address)
         self._thread = threading.Thread(target=self._run, name="diffslot-client-io", daemon=True)
         self._thread.start()
@@ -257,7 +281,7 @@ class Client:
             if size <= limit or not limit:
                 self._handles[request_id] = handle
         if limit and size > limit:  # the engine would refuse it: say so here, without sending megabytes
-            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f)))
+            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f) or ""))
             handle._finish(Rejected(request_id, f"message of {size} bytes exceeds the engine's limit of {limit} "
                                                 f"bytes per message (Welcome.max_message_bytes)", longest), None)
             return handle
@@ -277,20 +301,29 @@ class Client:
         self._send_soon(Cancel(request_id))
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Engine-wide counters: the core's stats and the process's own."""
+        """Engine-wide counters: the core's stats and the process's own (a round trip
+        through the engine's busy loop, answered between two steps)."""
+        return self._round_trip(Stats, "stats", timeout).stats
+
+    def health(self, timeout: float = 5.0) -> HealthReply:
+        """The engine's IO thread's view of its busy loop (answered during a step too):
+        `alive`, `draining`, and why not alive."""
+        return self._round_trip(Health, "health answer", timeout)
+
+    def _round_trip(self, message_type, what: str, timeout: float):
         token = next(self._tokens)
-        waiter = [threading.Event(), None]
+        waiter = _Waiter()
         with self._lock:
             self._check_usable()
-            self._stats_waiters[token] = waiter
-        self._send_soon(Stats(token))
-        if not waiter[0].wait(timeout):
+            self._waiters[token] = waiter
+        self._send_soon(message_type(token))
+        if not waiter.done.wait(timeout):
             with self._lock:
-                self._stats_waiters.pop(token, None)
-            raise TimeoutError(f"no stats within {timeout}s")
-        if isinstance(waiter[1], BaseException):
-            raise waiter[1]
-        return waiter[1]
+                self._waiters.pop(token, None)
+            raise TimeoutError(f"no {what} within {timeout}s")
+        if isinstance(waiter.reply, BaseException):
+            raise waiter.reply
+        return waiter.reply
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -328,11 +361,8 @@ class Client:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        # FIX [workload bench, issue 7]: a message is word from the engine when it
-                        # is received. `last_heard` used to be only the poll time before this loop,
-                        # so a long drain (a slow reader's handling, a GIL-starved IO thread) left
-                        # it stale and the engine was declared dead ("no word for 3s") while its
-                        # messages, heartbeats included, were being read.
+                        # Each message is word from the engine: a long drain (a slow reader's
+                        # handling, a GIL-starved thread) must not make a live engine look silent.
                         last_heard = time.monotonic()
                         self._handle(decoder, frames)
                         if self.welcome is not None and timeout is None:
@@ -341,6 +371,13 @@ class Client:
                     event = recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
                         self._declare_dead("the connection to the engine was lost (engine process died?)")
+                    elif event["event"] & _HANDSHAKE_FAILED and self.welcome is None:
+                        self._handshake_error = AuthenticationError(
+                            f"the security handshake with the engine at {self.address} failed: "
+                            f"{'no CURVE keys given' if self.curve is None else 'wrong CURVE keys'} "
+                            f"(or the engine does not use CURVE)")
+                        self._closing = True
+                        self._welcomed.set()
                 if self._waker.read_fd in events:
                     self._waker.drain()
                 while self._outbox:
@@ -397,12 +434,12 @@ class Client:
         if isinstance(msg, EngineDead):
             self._declare_dead(msg.reason)
             return
-        if isinstance(msg, StatsReply):
+        if isinstance(msg, (StatsReply, HealthReply)):
             with self._lock:
-                waiter = self._stats_waiters.pop(msg.token, None)
+                waiter = self._waiters.pop(msg.token, None)
             if waiter is not None:
-                waiter[1] = msg.stats
-                waiter[0].set()
+                waiter.reply = msg
+                waiter.done.set()
             return
         if isinstance(msg, PartialImage):
             msg.image = frames[1].bytes if len(frames) > 1 else b""
@@ -429,16 +466,18 @@ class Client:
             handle = self._handles.get(msg.request_id)
             if handle is not None and isinstance(msg, TERMINAL):
                 del self._handles[msg.request_id]
+        if isinstance(msg, (Canceled, Failed)) and handle is not None and handle.partial_images_received:
+            self._send(Delivered(msg.request_id))  # the partial images' bytes were ours until now
         if handle is not None:
             handle._deliver(msg)
 
     def _take_handles(self) -> list[RequestHandle]:
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
-            waiters, self._stats_waiters = list(self._stats_waiters.values()), {}
+            waiters, self._waiters = list(self._waiters.values()), {}
         for waiter in waiters:
-            waiter[1] = self._dead or RuntimeError("client closed")
-            waiter[0].set()
+            waiter.reply = self._dead or RuntimeError("client closed")
+            waiter.done.set()
         return handles
 
     def _declare_dead(self, reason: str) -> None:
@@ -449,6 +488,14 @@ class Client:
         for handle in self._take_handles():
             handle._finish(None, self._dead)
         self._welcomed.set()
+
+
+class _Waiter:
+    """A Stats or Health round trip: the reply (or the error that ended it), once `done`."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: Any = None
 
 
 def _payload(msg: Completed, frame) -> Any:
@@ -509,6 +556,9 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         return await asyncio.get_running_loop().run_in_executor(None, self._client.stats)
+
+    async def health(self, timeout: float = 5.0) -> HealthReply:
+        return await asyncio.get_running_loop().run_in_executor(None, self._client.health, timeout)
 
 
 def _resolve(future: asyncio.Future) -> None:

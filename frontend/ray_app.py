@@ -15,14 +15,26 @@ CUDA_VISIBLE_DEVICES for the replica, and the engine inherits it).
   handler's cancellation cancels its engine requests (AsyncClient.generate).
 * An engine that dies: the replica's in-flight requests fail with 503 at once
   (EngineDeadError), `check_health` raises, and Ray replaces the replica (a new
-  replica starts a new engine). The engine is started with PR_SET_PDEATHSIG, so a
-  replica killed outright does not leave its engine behind.
+  replica starts a new engine).
+* A replica that dies (killed outright, or by Ray past its graceful shutdown): its
+  engine gets SIGINT through PR_SET_PDEATHSIG (`frontend/parent_death.py`) and stops
+  at once, freeing the GPU for the replacement, rather than draining. A replica
+  stopped gracefully drains its engine (SIGTERM) for at most `engine_drain_s`; one
+  whose engine is already unreachable stops it at once.
+* Gateway options (`api_keys`, `max_body_bytes`, `rate_limit`, `rate_burst`) apply per
+  replica: each replica has its own rate buckets, so a caller's rate over the whole
+  application is up to `replicas` × the limit. API keys come from `--api-key` or
+  DIFFSLOT_API_KEYS in the driver's environment.
+
+Ray's own ports (GCS 6379, the dashboard 8265, the client server 10001, the nodes'
+workers) accept jobs: whoever reaches them runs arbitrary code on the cluster. Keep
+them on a private network (docs/deploy.md); only the Serve proxy's HTTP port is for
+clients.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import pathlib
@@ -36,22 +48,14 @@ import uuid
 from ray import serve
 
 from engine.serve.launcher import serve_command, stop_process
+from frontend import parent_death
 from frontend.http.app import create_app
+from frontend.http.callers import api_keys as keys_from
 from frontend.http.link import EngineLink
 
 log = logging.getLogger("diffslot.ray")
 
-
-try:  # resolved here, not in the forked child (no dlopen between fork and exec)
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """The engine gets SIGTERM when the replica process that started it dies (Linux)."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+ENGINE_DRAIN_S = 10.0  # a gracefully stopped replica's engine finishes in-flight work for at most this
 
 
 def _raise_interrupt(signum, frame):
@@ -64,7 +68,10 @@ class EngineReplica:
 
     async def __init__(self, engine_args: list[str], *, model_name: str | None = None,
                        socket_dir: str | None = None, ready_timeout_s: float = 600.0,
-                       engine_command: list[str] | None = None):
+                       engine_command: list[str] | None = None, gateway: dict | None = None,
+                       engine_drain_s: float = ENGINE_DRAIN_S):
+        self.gateway = dict(gateway or {})  # create_app's options
+        self.engine_drain_s = engine_drain_s
         self._own_dir = socket_dir is None
         self.dir = pathlib.Path(socket_dir or tempfile.mkdtemp(prefix="dsr-", dir="/tmp"))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -75,9 +82,10 @@ class EngineReplica:
             else serve_command(self.address, *engine_args)
         self._log = open(self.log_path, "wb")
         # started on this (the replica's event loop) thread, which lives as long as the replica:
-        # PDEATHSIG fires when the starting thread exits
-        self.engine = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log,
-                                       preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # PDEATHSIG fires when the starting thread exits. Its own session: a signal meant for the
+        # replica's process group (a terminal's Ctrl-C) does not reach it.
+        self.engine = subprocess.Popen(parent_death.command(command), stdout=subprocess.DEVNULL, stderr=self._log,
+                                       start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.link = EngineLink(self.address, model_name=model_name)
         self.link.start()
         loop = asyncio.get_running_loop()
@@ -94,7 +102,7 @@ class EngineReplica:
         log.info("replica ready: engine pid %d on %s", self.engine.pid, self.address)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.link, own_link=False)
+        return create_app(self.link, own_link=False, **self.gateway)
 
     async def check_health(self) -> None:
         """Ray calls this every `health_check_period_s`; raising gets the replica replaced."""
@@ -112,8 +120,11 @@ class EngineReplica:
             return ""
 
     async def _stop_engine(self) -> None:
+        # a healthy engine drains what is in flight; one that no longer answers is stopped at once
+        # (the second SIGTERM), so that it does not hold the GPU while Ray starts the replacement
+        drain_s = self.engine_drain_s if self.link.connected else 0.5
         await self.link.close()
-        await asyncio.get_running_loop().run_in_executor(None, stop_process, self.engine, 20.0)
+        await asyncio.get_running_loop().run_in_executor(None, stop_process, self.engine, drain_s)
         self._log.close()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -136,9 +147,12 @@ def build_app(*, model: str = "shapes", replicas: int = 1, slots: int = 8, decod
               gpus_per_replica: float | None = None, cpus_per_replica: float = 1.0, model_name: str | None = None,
               max_ongoing_requests: int = 256, health_check_period_s: float = 2.0,
               health_check_timeout_s: float = 30.0, socket_dir: str | None = None,
-              engine_extra: list[str] | None = None, engine_command: list[str] | None = None):
+              engine_extra: list[str] | None = None, engine_command: list[str] | None = None,
+              api_keys: list[str] | tuple[str, ...] = (), max_body_bytes: int | None = None,
+              rate_limit: float = 0.0, rate_burst: float | None = None, engine_drain_s: float = ENGINE_DRAIN_S):
     """The Serve application: `replicas` EngineReplicas. `gpus_per_replica` None: one
-    GPU each if the cluster has GPUs, else none (engines then run on CPU)."""
+    GPU each if the cluster has GPUs, else none (engines then run on CPU). The gateway
+    options are create_app's, applied in every replica."""
     import ray
 
     if gpus_per_replica is None:
@@ -154,18 +168,28 @@ def build_app(*, model: str = "shapes", replicas: int = 1, slots: int = 8, decod
         # the engine batches: let many requests reach one replica at a time
         max_ongoing_requests=max_ongoing_requests,
         health_check_period_s=health_check_period_s, health_check_timeout_s=health_check_timeout_s,
-        graceful_shutdown_timeout_s=30.0)
+        # past this Ray kills the replica, and PDEATHSIG stops its engine at once
+        graceful_shutdown_timeout_s=engine_drain_s + 15.0)
+    gateway = {"api_keys": tuple(api_keys), "rate_limit": rate_limit, "rate_burst": rate_burst}
+    if max_body_bytes is not None:
+        gateway["max_body_bytes"] = max_body_bytes
     return deployment.bind(engine_arguments(model, slots, decode_workers, device, engine_extra),
-                           model_name=model_name, socket_dir=socket_dir, engine_command=engine_command)
+                           model_name=model_name, socket_dir=socket_dir, engine_command=engine_command,
+                           gateway=gateway, engine_drain_s=engine_drain_s)
 
 
 def app_builder(args: dict):
-    """For `serve run frontend.ray_app:app_builder replicas=2 model=shapes slots=8`."""
+    """For `serve run frontend.ray_app:app_builder replicas=2 model=shapes slots=8`. API keys
+    come from DIFFSLOT_API_KEYS, not arguments (which show in process lists)."""
     gpus = args.get("gpus_per_replica")
+    max_body = args.get("max_body_bytes")
+    burst = args.get("rate_burst")
     return build_app(model=args.get("model", "shapes"), replicas=int(args.get("replicas", 1)),
                      slots=int(args.get("slots", 8)), decode_workers=int(args.get("decode_workers", 1)),
                      gpus_per_replica=None if gpus is None else float(gpus),
-                     cpus_per_replica=float(args.get("cpus_per_replica", 1.0)), model_name=args.get("model_name"))
+                     cpus_per_replica=float(args.get("cpus_per_replica", 1.0)), model_name=args.get("model_name"),
+                     api_keys=keys_from(), max_body_bytes=None if max_body is None else int(max_body),
+                     rate_limit=float(args.get("rate_limit", 0.0)), rate_burst=None if burst is None else float(burst))
 
 
 def main(argv=None) -> int:
@@ -183,6 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--address", default=None,
                     help="Ray cluster to join ('auto': the local node's cluster); default: start a local one")
+    ap.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (repeatable; also DIFFSLOT_API_KEYS)")
+    ap.add_argument("--max-body-bytes", type=int, default=None, metavar="B", help="largest request body (1 MiB)")
+    ap.add_argument("--rate-limit", type=float, default=0.0, metavar="R",
+                    help="requests per second per caller, per replica; 0 = no limit")
+    ap.add_argument("--rate-burst", type=float, default=None, metavar="N")
     args = ap.parse_args(argv)
 
     import ray
@@ -197,7 +227,9 @@ def main(argv=None) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(model=args.model, replicas=args.replicas, slots=args.slots,
                             decode_workers=args.decode_workers, gpus_per_replica=args.gpus_per_replica,
-                            cpus_per_replica=args.cpus_per_replica, model_name=args.model_name),
+                            cpus_per_replica=args.cpus_per_replica, model_name=args.model_name,
+                            api_keys=keys_from(args.api_keys), max_body_bytes=args.max_body_bytes,
+                            rate_limit=args.rate_limit, rate_burst=args.rate_burst),
                   name="diffslot", route_prefix="/")
         print(f"diffslot images API on http://{args.host}:{args.port}/v1 ({args.replicas} replicas); "
               "Ctrl-C stops it", flush=True)

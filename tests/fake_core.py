@@ -9,6 +9,7 @@ a request's result never depends on its neighbours, as with the real core.
 
 Run an engine process around it:
     python tests/fake_core.py --address ipc:///tmp/x.sock [--step-delay 0.005] [--size 32]
+with the engine process's own flags too (engine.serve.options: --step-timeout, ...).
 """
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ MAX_STEPS = 1000
 
 
 # the shapes model's prompts: the fake knows them as a class-conditional model would
-PROMPTS = tuple(f"a {color} {shape}" for color in ("red", "green", "blue")
-                for shape in ("circle", "square", "triangle", "cross"))
+from engine.models.shapes.draw import PROMPTS  # noqa: E402
+
+
+class HangingLatents(np.ndarray):
+    """Latents whose decode never returns (FakeConfig.hang_decode_prompt): a VAE stuck in a call."""
 
 
 class FakeModel:
@@ -46,16 +50,20 @@ class FakeModel:
     latent_channels = 4
     vae_scale = 4
 
-    def __init__(self, native_size: int = 32, decode_delay_s: float = 0.0):
+    def __init__(self, native_size: int = 32, decode_delay_s: float = 0.0, path: str = "fake"):
         self.native_size = native_size
         self.decode_delay_s = decode_delay_s  # to make cancels land during decode
         self.prompts = PROMPTS
+        self.path = path  # what model_info names it, as the real core names its folder
+        self.hang_s = 3600.0
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
 
     def decode(self, latents) -> np.ndarray:
         """B×C×h×w → uint8 B×H×W×3: the first three channels, squashed and upsampled."""
+        if isinstance(latents, HangingLatents):
+            time.sleep(self.hang_s)
         if self.decode_delay_s:
             time.sleep(self.decode_delay_s)
         x = np.asarray(latents, dtype=np.float32)[:, :3]
@@ -76,6 +84,7 @@ class FakeConfig:
     max_queue: int = 64
     step_delay_s: float = 0.0  # sleep per step with work, to make cancels land mid-denoise
     fail_prompt: str | None = None  # requests with this prompt fail at their first step
+    hang_decode_prompt: str | None = None  # the decode of requests with this prompt never returns
 
 
 @dataclasses.dataclass
@@ -162,8 +171,10 @@ class FakeCore:
             if req.step == req.params.steps:
                 del self.running[rid]
                 self.decoding[rid] = False
-                outputs.append(DenoiseFinished(rid, fake_latents(req.params, req.shape), req.params,
-                                               self._timings(req), time.monotonic()))
+                latents = fake_latents(req.params, req.shape)
+                if req.params.prompt == self.config.hang_decode_prompt:
+                    latents = latents.view(HangingLatents)
+                outputs.append(DenoiseFinished(rid, latents, req.params, self._timings(req), time.monotonic()))
         return outputs
 
     def decode_done(self, request_id: str) -> bool:
@@ -177,7 +188,7 @@ class FakeCore:
         return output_nbytes(params.output, height, width, self.model.latent_shape(height, width))
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name="fake", native_size=self.model.native_size, prompts=self.model.prompts,
+        return ModelInfo(name=self.model.path, native_size=self.model.native_size, prompts=self.model.prompts,
                          pipeline="fake")
 
     def stats(self) -> dict:
@@ -224,9 +235,14 @@ class FakeCore:
         return Timings(queue_s=admitted - req.arrival, denoise_s=now - admitted, evals=req.evals)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, wrap_core=None, proc_defaults: dict | None = None) -> int:
+    """An engine process around FakeCore. `wrap_core(core)` wraps it (fault injection);
+    `proc_defaults` replace ProcConfig's defaults (the tests' engines give up sooner)."""
     from engine.decode.in_process import InProcessDecodeStage
-    from engine.serve.proc import ProcConfig, configure_logging, run_engine
+    from engine.decode.stage import DecodeConfig
+    from engine.serve.options import add_config_arguments, add_proc_arguments, config_from_args, \
+        proc_config_from_args
+    from engine.serve.proc import configure_logging, run_engine
 
     ap = argparse.ArgumentParser(description="an engine process around FakeCore (tests only)")
     ap.add_argument("--address", required=True)
@@ -234,21 +250,26 @@ def main(argv=None) -> int:
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--size", type=int, default=32, help="native image size")
-    ap.add_argument("--output-budget", type=int, default=64 << 20)
-    ap.add_argument("--sndhwm", type=int, default=256)
-    ap.add_argument("--heartbeat", type=float, default=0.5)
-    ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--decode-delay", type=float, default=0.0)
     ap.add_argument("--fail-prompt", default=None)
-    ap.add_argument("--metrics-port", type=int, default=None)
+    ap.add_argument("--hang-decode-prompt", default=None)
+    ap.add_argument("--model-path", default="fake", help="what the fake model is called, as a folder path")
+    add_proc_arguments(ap, defaults=proc_defaults)
+    add_config_arguments(ap, DecodeConfig, only={"decode_timeout_s"})
     args = ap.parse_args(argv)
     configure_logging()
-    model = FakeModel(args.size, args.decode_delay)
-    core = FakeCore(model, FakeConfig(args.slots, args.max_queue, args.step_delay, args.fail_prompt))
-    config = ProcConfig(address=args.address, heartbeat_interval_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
-                        output_budget_bytes=args.output_budget, sndhwm=args.sndhwm,
-                        metrics_port=args.metrics_port, model_name="fake")
-    return run_engine(core, config, lambda on_ready: InProcessDecodeStage(model, on_ready))
+    model = FakeModel(args.size, args.decode_delay, args.model_path)
+    core = FakeCore(model, FakeConfig(args.slots, args.max_queue, args.step_delay, args.fail_prompt,
+                                      args.hang_decode_prompt))
+    try:
+        config = proc_config_from_args(args, address=args.address, model_name=args.model_path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    decode_config = config_from_args(DecodeConfig, args)
+    return run_engine(wrap_core(core) if wrap_core else core, config,
+                      lambda on_ready: InProcessDecodeStage(model, on_ready,
+                                                            decode_timeout_s=decode_config.decode_timeout_s))
 
 
 if __name__ == "__main__":

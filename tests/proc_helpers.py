@@ -6,11 +6,10 @@ about 107 bytes, which pytest's tmp_path can exceed).
 
 Fake engines run through this file (`python tests/proc_helpers.py fake ...`): the
 FakeCore of tests/fake_core.py behind the real engine process, with the engine
-process's own flags (engine.serve.options: --step-timeout, --drain-timeout,
---max-queue-per-client, --max-backlog-bytes, --auth-token-file) on top of the fake's.
-Faults are injected by wrapping the core (`FaultyCore`), configured through the
-DIFFSLOT_TEST_FAULTS environment variable (JSON), for the fake core and for the real
-one (`python -m engine serve --core tests.proc_helpers:faulty_core`).
+process's own flags (engine.serve.options) on top of the fake's. Faults are injected
+by wrapping the core (`FaultyCore`), configured through the DIFFSLOT_TEST_FAULTS
+environment variable (JSON), for the fake core and for the real one
+(`python -m engine serve --core tests.proc_helpers:faulty_core`).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import zmq
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FAKE_CORE = REPO / "tests" / "fake_core.py"
 
-from engine.protocol import PROTOCOL_VERSION, Heartbeat, Hello, encoder, engine_decoder  # noqa: E402
+from engine.protocol import PROTOCOL_VERSION, SEGMENT_PREFIX, Heartbeat, Hello, encoder, engine_decoder  # noqa: E402
 from engine.serve import launcher  # noqa: E402
 
 
@@ -103,23 +102,29 @@ def real_engine(*args: str, ready_timeout: float = 180.0, faults: dict | None = 
 class FaultyCore:
     """Wraps a core (CoreInterface) to inject faults by prompt:
 
-    - `hang_prompt`: once a request with this prompt is admitted, step() hangs —
-      `hang_mode` "sleep" (blocked in C code without the GIL, as a stuck device sync)
-      or "gil" (a regular expression that backtracks for ever while holding the GIL).
+    - `hang_prompt`: once a request with this prompt is added, the busy loop hangs for
+      `hang_s` — in step() (`hang_where` "step") or in add_request itself ("add_request",
+      a stall outside any step, which the step watchdog does not see) — `hang_mode`
+      "sleep" (blocked in C code without the GIL, as a stuck device sync) or "gil" (a
+      regular expression that backtracks for ever while holding the GIL). A step hang
+      happens once.
     - `raise_prompt`: step() raises once such a request was added (an unguarded core bug).
     Everything else is the wrapped core's."""
 
     def __init__(self, core, hang_prompt: str | None = None, hang_mode: str = "sleep", hang_s: float = 3600.0,
-                 raise_prompt: str | None = None):
+                 hang_where: str = "step", raise_prompt: str | None = None):
         self._core = core
-        self._hang_prompt, self._hang_mode, self._hang_s = hang_prompt, hang_mode, hang_s
+        self._hang_prompt, self._hang_mode, self._hang_s, self._hang_where = hang_prompt, hang_mode, hang_s, hang_where
         self._raise_prompt = raise_prompt
         self._armed: str | None = None
 
     def add_request(self, request_id, params, arrival_time=None, partial_images=0):
         self._core.add_request(request_id, params, arrival_time=arrival_time, partial_images=partial_images)
         if params.prompt == self._hang_prompt:
-            self._armed = "hang"
+            if self._hang_where == "add_request":
+                self._hang()
+            else:
+                self._armed = "hang"
         elif params.prompt == self._raise_prompt:
             self._armed = "raise"
 
@@ -128,12 +133,16 @@ class FaultyCore:
         if self._armed == "raise":
             raise RuntimeError("injected core failure (FaultyCore.raise_prompt)")
         if self._armed == "hang":
-            if self._hang_mode == "gil":
-                import re
-
-                re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking inside the GIL
-            time.sleep(self._hang_s)
+            self._armed = None
+            self._hang()
         return outputs
+
+    def _hang(self) -> None:
+        if self._hang_mode == "gil":
+            import re
+
+            re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking inside the GIL
+        time.sleep(self._hang_s)
 
     def __getattr__(self, name):
         return getattr(self._core, name)
@@ -182,36 +191,12 @@ def faulty_core(model, config):
 
 
 def fake_main(argv: list[str]) -> int:
-    """tests/fake_core.py's engine, with the engine process's own flags and FaultyCore."""
-    import argparse
-
-    import engine.serve.proc as proc
-    from engine.serve.options import add_proc_arguments, proc_config_from_args
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--address", required=True)
-    ap.add_argument("--allow-remote-bind", action="store_true")
-    add_proc_arguments(ap, defaults={"step_timeout": 60.0, "drain_timeout": 10.0})
-    args, rest = ap.parse_known_args(argv)
+    """tests/fake_core.py's engine, its core wrapped by FaultyCore as DIFFSLOT_TEST_FAULTS says,
+    giving up sooner than a production engine (step and drain timeouts)."""
     sys.path.insert(0, str(REPO / "tests"))
     import fake_core
 
-    base, run_engine = proc.ProcConfig, proc.run_engine
-
-    def config(**fields):  # fake_core builds its ProcConfig: add ours
-        fields.update(address=args.address, allow_remote_bind=args.allow_remote_bind)
-        proc.ProcConfig = base  # proc_config_from_args builds the real one
-        try:
-            return proc_config_from_args(args, **fields)
-        finally:
-            proc.ProcConfig = config
-
-    proc.ProcConfig = config
-    proc.run_engine = lambda core, cfg, stage: run_engine(_wrap(core), cfg, stage)
-    try:
-        return fake_core.main(["--address", args.address, *rest])
-    finally:
-        proc.ProcConfig, proc.run_engine = base, run_engine
+    return fake_core.main(argv, wrap_core=_wrap, proc_defaults={"step_timeout_s": 60.0, "drain_timeout_s": 10.0})
 
 
 @contextlib.contextmanager
@@ -245,7 +230,7 @@ def read_line(popen: subprocess.Popen, timeout: float = 30.0) -> str:
 def shm_leftovers(pid: int) -> list[str]:
     if not os.path.isdir("/dev/shm"):
         return []
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"diffslot-{pid}")]
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"{SEGMENT_PREFIX}{pid}")]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition"):

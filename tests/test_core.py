@@ -836,3 +836,18 @@ def test_step_sleeps_on_a_fence_when_launches_are_all_it_has(model):
     fences.release_all()
     outputs = core.step()  # reaped and published: nothing waits
     assert waits == [0.003] and any(isinstance(o, DenoiseFinished) for o in outputs)
+
+
+def test_every_bucket_is_captured_before_serving(model):
+    """`capture_graphs` captures each bucket of the native size up front, so serving native
+    requests captures nothing more (a capture mid-serving stalls the busy loop on CUDA)."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+
+    core = EngineCore(model, CoreConfig(slots=3, layout="bucketed"))
+    capture = EagerCapture()
+    core.graphed = GraphedDenoiser(model, capture)
+    core.capture_graphs()
+    assert capture.captures == 4  # buckets of 1, 2, 4 and 6 rows
+    run_mixed_against_reference(model, core)
+    assert capture.captures == 4 and core.graphed.replays >= core.batches
+    assert_drained(core)

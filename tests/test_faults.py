@@ -277,7 +277,8 @@ def test_auth_token_over_tcp(tmp_path):
     with socket_dir() as directory:
         engine = start_engine(f"tcp://0.0.0.0:{port}", directory / "engine.log", ["--allow-remote-bind"])
         try:
-            wait_until(lambda: "WARNING: --allow-remote-bind without --auth-token-file" in engine.log(), 30)
+            wait_until(lambda: "WARNING: --allow-remote-bind without --curve-secret-key or --auth-token-file"
+                       in engine.log(), 30)
         finally:
             engine.stop()
 

@@ -451,17 +451,20 @@ def test_backlog_coalesces_progress_and_writes_off_a_client_too_far_behind():
 
     import zmq
 
-    from engine.serve.io_thread import IOThread, ProcConfig, _Peer
     from engine.protocol import Progress, ProgressBatch, Welcome, engine_decoder
+    from engine.serve.handoff import ClientGone, InputQueues
+    from engine.serve.heartbeat import LoopHeartbeat
+    from engine.serve.io_thread import IOThread, _Peer
+    from engine.serve.options import ProcConfig
     from engine.serve.transport import Waker
 
     ctx = zmq.Context()
     router, waker = ctx.socket(zmq.ROUTER), Waker()
     try:
-        inputs = queue.SimpleQueue()
+        inputs = InputQueues()
         io = IOThread(router, ProcConfig("inproc://x", max_backlog_messages=3), Welcome(1, 1, 0.5, 3.0, 1),
-                       inputs, queue.SimpleQueue(), waker)
-        peer = io.peers[b"c"] = _Peer(last_seen=time.monotonic())
+                      inputs, queue.SimpleQueue(), waker, LoopHeartbeat(120.0))
+        peer = io.peers[b"c"] = _Peer(time.monotonic(), io._frame_rate())
         for step in range(1, 6):  # a reader that is behind sees only the latest step
             io._enqueue(b"c", peer, Progress("r1", step, 5), [b"c", f"p{step}".encode()])
         io._enqueue(b"c", peer, Canceled("r1"), [b"c", b"final"])
@@ -475,7 +478,7 @@ def test_backlog_coalesces_progress_and_writes_off_a_client_too_far_behind():
         assert b"c" in io.peers
         io._enqueue(b"c", peer, Canceled("r3"), [b"c", b"final3"])  # the fourth message: too far behind
         assert b"c" not in io.peers and io.backlog_messages == 0 and io.backlog_bytes == 0 and b"c" in io.gone
-        assert inputs.get_nowait()[:2] == ("gone", b"c")
+        assert inputs.take(10, 10) == [ClientGone(b"c", "more than 3 messages behind")]
     finally:
         router.close(linger=0)
         waker.close()

@@ -30,6 +30,7 @@ class CoreConfig:
     max_schedules: int = 1024  # cached schedules (sampler, steps, size options)
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
     fence_wait_s: float = 0.002  # longest sleep on a fence when nothing else can run (input latency bound)
+    max_input_bytes: int = 16 << 20  # each image input (`image`, `mask`) at most this many encoded bytes
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -41,6 +42,6 @@ class CoreConfig:
         if self.decode_buffers is None:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
-                or self.embedding_cache_entries < 1 or self.max_groups < 1:
+                or self.embedding_cache_entries < 1 or self.max_groups < 1 or self.max_input_bytes < 1:
             raise ValueError("slots, decode_buffers, max_steps and embedding_cache_entries must be positive, "
                              "max_queue non-negative")

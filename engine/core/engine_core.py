@@ -16,8 +16,6 @@ same core in-process.
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import time
 from typing import Iterable
@@ -27,17 +25,18 @@ import torch
 from engine.core.config import CoreConfig
 from engine.core.device import RunAhead
 from engine.core.encode import EmbeddingCache
+from engine.core.encode_phase import EncodePhase
 from engine.core.fences import fences_for
+from engine.core.image_inputs import header_size
+from engine.core.intake import Intake
 from engine.core.interface import ModelInfo
-from engine.core.ledger import Ledger, reservation_for
+from engine.core.ledger import Ledger, image_input_nbytes, reservation_for
 from engine.core.outputs import RequestRejected
 from engine.core.reaper import Reaper
 from engine.core.requests import Request
 from engine.core.runner import Runner
 from engine.core.scheduler import Scheduler
-from engine.core.solvers import G, Schedule, Trajectory, UnsupportedSampler, build_schedule
-from engine.core.validation import checked_size
-from engine.models.loading import DiffusionModel
+from engine.models.loading import DiffusionModel, model_inputs
 from engine.protocol import OUTPUT_KINDS, GenerateParams
 
 log = logging.getLogger("diffslot.core")
@@ -56,21 +55,27 @@ class EngineCore:
         self.geometry = model.geometry
         self.adapters = adapters  # engine.lora.AdapterPool, or None
         self.outputs: list = []
-        self.embeddings = EmbeddingCache(model, self.config.embedding_cache_entries, self.config.embedding_cache_bytes)
+        self.embeddings = EmbeddingCache(model, self.config.embedding_cache_entries, self.config.embedding_cache_bytes,
+                                         adapters)
         self.ledger = self._make_ledger()
-        # denoiser evaluations a schedule may take: generic schedulers may run more than one per
-        # step (PNDM one more, Heun 2 × steps − 1)
-        self.schedule_capacity = 2 * self.config.max_steps + 1
-        self.scheduler = Scheduler(self.config, self.ledger, self._make_group, clock, self.outputs)
-        self.runner = Runner(model, self.config, self.device, self.fences, self.scheduler, self.schedule_capacity)
+        self.intake = Intake(model, self.geometry, self.config, self.ledger, adapters)
+        self.scheduler = Scheduler(self.config, self.ledger, self._make_group, clock, self.outputs,
+                                   acquire=None if adapters is None else self._acquire_adapters)
+        self.runner = Runner(model, self.config, self.device, self.fences, self.scheduler,
+                             self.intake.schedule_capacity)
         self.reaper = Reaper(self.scheduler, self.runner, self.fences, clock, self.outputs)
         self.reaper.on_release = self._released
+        self.encode = EncodePhase(model, self.embeddings, self.scheduler, self.reaper, self.ledger, clock)
+        if adapters is not None and self.runner.graphed is not None:  # a graph reads the pool's layout
+            self.runner.graphed.layout_version = lambda: adapters.layout_version
+        if self.runner.graphed is not None:
+            self.capture_graphs()
         # CUDA: the host prepares step n+1 while the device runs step n, at most two launches ahead
         self.window = RunAhead(2) if self.device.type == "cuda" else None
-        self._schedules: collections.OrderedDict[tuple, Schedule] = collections.OrderedDict()
 
     def _make_ledger(self) -> Ledger:
-        """Budgets by default: `slots` native requests' trajectories, and the output bytes of
+        """Budgets by default: `slots` native requests' trajectories (with their image rows,
+        `_image_headroom`), and the output bytes of
         `slots + decode_buffers` native outputs of the largest kind, so that free slots never
         idle for want of output bytes."""
         native = self.geometry.native_size
@@ -78,8 +83,19 @@ class EngineCore:
         trajectory = reservation_for(shape, native, native, "uint8", 2 * self.model.conditioning_nbytes)
         output = max(reservation_for(shape, native, native, kind).output_bytes for kind in OUTPUT_KINDS)
         c = self.config
-        return Ledger(c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes, c.decode_buffers,
-                      c.output_budget_bytes or (c.slots + c.decode_buffers) * output)
+        return Ledger(c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + self._image_headroom(shape),
+                      c.decode_buffers, c.output_budget_bytes or (c.slots + c.decode_buffers) * output)
+
+    def _image_headroom(self, shape: tuple) -> int:
+        """A model with an image path: room for every slot's image rows (latents, and with
+        inpainting noise and mask) and for one native image and mask's encoded bytes at
+        admission, raw-sized (spent in the encode phase)."""
+        model = self.model
+        if model.image_support("image") is not None:
+            return 0
+        native = self.geometry.native_size
+        masked = model.image_support("mask") is None
+        return self.config.slots * image_input_nbytes(shape, 0, masked) + 4 * native * native
 
     def _make_group(self, key: tuple, latent_shape: tuple):
         return self.runner.make_group(key, latent_shape)
@@ -96,7 +112,7 @@ class EngineCore:
             raise RequestRejected(f"{request_id!r} is already in flight", "request_id")
         if type(partial_images) is not int or not 0 <= partial_images <= MAX_PARTIAL_IMAGES:
             raise RequestRejected(f"must be an integer in [0, {MAX_PARTIAL_IMAGES}]", "partial_images")
-        request = self._validate(request_id, params, self.clock() if arrival_time is None else arrival_time)
+        request = self.intake.request(request_id, params, self.clock() if arrival_time is None else arrival_time)
         total = request.total_steps
         request.preview_steps = tuple(sorted({max(1, round(total * (k + 1) / (partial_images + 1)))
                                               for k in range(partial_images)} - {total}))
@@ -130,9 +146,34 @@ class EngineCore:
     def admit(self) -> list[Request]:
         """Admission at a step boundary and the encode phase of what it placed."""
         placed = self.scheduler.admit()
+        for request in [r for r in placed if r.stopping]:  # failed as it was admitted (its adapter)
+            request.group.runnable[request.slot] = False
+            placed.remove(request)
+            self.reaper.drain(request)
         if placed:
-            self._encode(placed)
+            self.encode.prompts(placed)
+            self.encode.images([r for r in placed if r.image_inputs is not None and not r.stopping])
         return placed
+
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Capture every bucket's graph of the native size before serving: a first capture
+        mid-serving costs a device synchronise and a cache flush on the busy loop."""
+        native = self.geometry.native_size
+        shape = self.geometry.latent_shape(native, native)
+        params = GenerateParams(prompt="")
+        prompt = self.model.encode([""])[0]
+        extras = self.model.request_inputs(params, native, native)
+        if self.adapters is not None:
+            extras.update(self.adapters.row_inputs([], []))
+        limit = 2 * self.config.slots  # the buckets `Runner.build_batch` rounds up to
+        sizes = sorted({min(1 << k, limit) for k in range(limit.bit_length() + 1)})
+        for rows in sizes:
+            inputs = model_inputs(torch.zeros(rows, *shape, device=self.device, dtype=self.model.dtype),
+                                  torch.full((rows,), 500.0, device=self.device), [prompt] * rows,
+                                  **{name: value[:1].expand(rows, *value.shape[1:]) for name, value in extras.items()})
+            self.runner.graphed(inputs)
+        log.info("captured %d CUDA graphs of the denoiser before serving", len(self.runner.graphed.graphs))
 
     def has_unfinished_requests(self) -> bool:
         """Any request not yet ended (queued, denoising, or awaiting decode_done)."""
@@ -146,7 +187,11 @@ class EngineCore:
     def output_bytes(self, params: GenerateParams) -> int:
         """Worst-case output bytes of a request (0 for sizes it will reject anyway)."""
         geometry = self.geometry
-        height, width = params.height or geometry.native_size, params.width or geometry.native_size
+        from_image = None if params.image is None else header_size(params.image)
+        if from_image is not None:  # an image request's sides not given are the image's (at most)
+            height, width = params.height or from_image[0], params.width or from_image[1]
+        else:
+            height, width = params.height or geometry.native_size, params.width or geometry.native_size
         if not (type(height) is int and type(width) is int and 0 < height <= geometry.max_size
                 and 0 < width <= geometry.max_size) or params.output not in OUTPUT_KINDS:
             return 0
@@ -171,11 +216,11 @@ class EngineCore:
             "useful_ratio": runner.useful_rows / rows if rows else 1.0,
             "stale_reports": self.reaper.stale_reports,
             "denoiser_s": runner.denoiser_s,
-            "schedules_cached": len(self._schedules),
+            "schedules_cached": len(self.intake.schedules),
             **self.embeddings.stats(),
         }
         if self.adapters is not None:
-            stats.update(self.adapters.stats())
+            stats.update({f"adapter_{name}": value for name, value in self.adapters.stats().items()})
         return stats
 
     # ---- views of the parts' state (tests and benchmarks read these) ---------------
@@ -213,101 +258,11 @@ class EngineCore:
     def staged_uploads(self, value: bool) -> None:
         self.runner.staged_uploads = value
 
-    # ---- validation ----------------------------------------------------------------
-
-    def _validate(self, request_id: str, p: GenerateParams, arrival: float) -> Request:
-        model = self.model
-        height, width = checked_size(model, self.geometry, p, self.config.max_steps)
-        unusable = model.check_params(p)
-        if unusable:
-            raise RequestRejected(unusable[1], unusable[0])
-        adapters = self._check_adapters(p)
-        cfg_scale = model.cfg_scale(p)
-        try:
-            schedule = self._schedule(p.sampler, p.steps, cfg_scale or 1.0, model.schedule_options(height, width, p.steps))
-        except UnsupportedSampler as exc:
-            raise RequestRejected(str(exc), "sampler") from None
-        if schedule.steps > self.schedule_capacity:
-            raise RequestRejected(f"this sampler takes {schedule.steps} evaluations for {p.steps} steps, more than "
-                                  f"{self.schedule_capacity}", "steps")
-        latent_shape = self.geometry.latent_shape(height, width)
-        rows = 1 if cfg_scale is None else 2
-        reservation = reservation_for(latent_shape, height, width, p.output,
-                                      rows * model.conditioning_nbytes + adapters)
-        if not self.ledger.could_ever_fit(reservation):
-            field = "height" if height >= width else "width"
-            raise RequestRejected("needs more memory than the engine holds at all", field)
-        key = (model.revision, latent_shape, str(model.dtype), model.conditioning_layout, model.prediction_type)
-        request = Request(request_id, p, latent_shape, cfg_scale, arrival, reservation, key)
-        request.trajectory = Trajectory(schedule, p.seed, latent_shape)
-        request.request_inputs = model.request_inputs(p, height, width)
-        return request
-
-    def _check_adapters(self, p: GenerateParams) -> int:
-        """Adapter bytes a request references (0 without adapters); rejects bad `loras`."""
-        if not p.loras:
-            return 0
-        if self.adapters is None:
-            raise RequestRejected("this engine serves no adapters (start it with --lora-dir)", "loras")
-        why = self.adapters.check(p.loras)
-        if why:
-            raise RequestRejected(why, "loras")
-        return self.adapters.nbytes(list(p.loras))
-
-    def _schedule(self, sampler: str, steps: int, cfg_scale: float, options: tuple) -> Schedule:
-        """Building a diffusers scheduler costs milliseconds on the busy loop; a schedule
-        depends on (sampler, steps, size options) and, in its guidance column only, on the
-        request: keep one per key, least recently used out."""
-        key = (sampler, steps, options)
-        base = self._schedules.get(key)
-        if base is None:
-            base = self._schedules[key] = build_schedule(sampler, self.model.scheduler_config, steps, 1.0, options)
-            while len(self._schedules) > self.config.max_schedules:
-                self._schedules.popitem(last=False)
-        else:
-            self._schedules.move_to_end(key)
-        coefs = base.coefs.copy()
-        coefs[:, G] = cfg_scale
-        return dataclasses.replace(base, coefs=coefs)
-
     def _retry_after(self) -> float:
         waiting_steps = sum(r.params.steps for r in self.scheduler.queue)
         return round(max(0.05, self.runner.timer.poll() * waiting_steps / self.config.slots), 3)
 
-    # ---- the encode phase and one step ------------------------------------------------
-
-    def _encode(self, requests: list[Request]) -> None:
-        """The encode phase (R14), between admission and a request's first step: its prompt
-        rows from the embedding cache, the misses of all newly admitted requests in one
-        batched pass of the model's own encoder(s); its request inputs and adapters. The
-        slot then references them. A failure fails the requests it belongs to (R15)."""
-        try:
-            self._attach(requests)
-        except Exception as exc:
-            log.warning("encoding the prompts of %d requests raised %s: one at a time", len(requests), exc)
-            for request in requests:
-                try:
-                    self._attach([request])
-                except Exception as error:
-                    self.scheduler.fail(request, f"the text encoder raised {type(error).__name__}: {error}")
-                    self.reaper.drain(request)
-
-    def _attach(self, requests: list[Request]) -> None:
-        texts = []
-        for request in requests:
-            texts.append(request.params.prompt)
-            if request.cfg_scale is not None:
-                texts.append(self.model.negative_text(request.params))
-        started = self.clock()
-        rows = self.embeddings.get_many(texts)
-        now = self.clock()
-        k = 0
-        for request in requests:
-            negative = rows[k + 1] if request.cfg_scale is not None else None
-            request.group.attach_conditioning(request.slot, rows[k], negative)
-            k += request.rows_per_step
-            request.timings.encode_s = now - started
-            request.admitted_at = now
+    # ---- one step ---------------------------------------------------------------------
 
     def _run(self, group) -> None:
         launch, culprits = self.runner.run(group)
@@ -318,6 +273,24 @@ class EngineCore:
             self.reaper.drain(request)  # now, or when the fence of its last launch is done
         if self.window is not None:
             self.window.admit(launch.fence)
+
+    def _acquire_adapters(self, request: Request) -> bool:
+        """Admission: make the request's adapters resident and reference them (False: they
+        cannot all be resident now; it waits, as for memory). Their pool slots become the
+        request's `lora_index` rows."""
+        loras = request.params.loras
+        if not loras:
+            return True
+        try:
+            slots = self.adapters.acquire(list(loras))
+        except Exception as exc:  # the file changed or broke since validation: this request fails
+            self.scheduler.fail(request, f"adapter could not be loaded: {exc}")
+            return True  # placed and drained at once by the encode phase
+        if slots is None:
+            return False
+        request.adapters = tuple(slots)
+        request.request_inputs.update(self.adapters.row_inputs(slots, list(loras.values())))
+        return True
 
     def _released(self, request: Request) -> None:
         if request.adapters and self.adapters is not None:

@@ -40,7 +40,8 @@ class CudaGraphCapture:
                 fn(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread-local: another thread's CUDA work (the in-process decode) does not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = fn(*inputs)
         return graph.replay, output
 
@@ -70,10 +71,12 @@ class GraphedDenoiser:
         self.graphs: dict[tuple, tuple] = {}  # key → (replay, output, input buffers)
         self.failed: set[tuple] = set()  # keys whose capture raised: those run eagerly
         self.replays = 0
+        # what else a capture depends on: the adapter pool's layer layout (engine.lora)
+        self.layout_version = lambda: 0
 
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
         named = inputs.named()
-        key = tuple((name, tuple(a.shape), a.dtype) for name, a in named.items())
+        key = tuple((name, tuple(a.shape), a.dtype) for name, a in named.items()) + (self.layout_version(),)
         if key in self.failed:
             return self.model.run(inputs)
         entry = self.graphs.get(key)

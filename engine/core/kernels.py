@@ -192,3 +192,86 @@ def update_slots(model_out, latents, history, noise, index, coefs) -> None:
         update_slots_triton(model_out, latents, history, noise, index, coefs)
     else:
         update_slots_reference(model_out, latents, history, noise, index, coefs)
+
+
+# ---- inpainting: keep the known region ---------------------------------------------------
+#
+# After a step's update, for every slot j of the entries (4-channel inpainting, as
+# StableDiffusionInpaintPipeline's loop does it):
+#
+#     slot = index[j]; a, b = coefs[j]          # add_noise coefficients at the next timestep
+#     proper = a * I[slot] + b * N[slot]          # the image's latents noised to it ((1, 0) after the last step)
+#     X[slot] = (1 - K[slot]) * proper + K[slot] * X[slot]
+#
+# I: the image's latents, N: the request's initial noise, K: the mask at latent resolution
+# (1 = repaint), each broadcast over the channels into slot rows of numel elements. Every
+# product and sum is one float32 operation in the pipeline's order, in both versions.
+
+def blend_known_region_reference(latents: torch.Tensor, image_latents: torch.Tensor, noise: torch.Tensor,
+                                 mask: torch.Tensor, index: torch.Tensor, coefs: torch.Tensor) -> None:
+    """Torch reference of the masked blend; same signature and meaning as the kernel."""
+    if index.numel() == 0:
+        return
+    slots = index.long()
+    a, b = coefs[:, 0, None], coefs[:, 1, None]
+    proper = a * image_latents[slots] + b * noise[slots]
+    keep = mask[slots]
+    latents[slots] = (1 - keep) * proper + keep * latents[slots]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _blend_known_region_kernel(x_ptr, image_ptr, noise_ptr, mask_ptr, index_ptr, coef_ptr, numel,
+                                   x_stride, image_stride, noise_stride, mask_stride, BLOCK: tl.constexpr):
+        j = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < numel
+        slot = tl.load(index_ptr + j).to(tl.int64)
+        a = tl.load(coef_ptr + j * 2 + 0)
+        b = tl.load(coef_ptr + j * 2 + 1)
+        image = tl.load(image_ptr + slot * image_stride + offs, mask=valid, other=0.0)
+        noise = tl.load(noise_ptr + slot * noise_stride + offs, mask=valid, other=0.0)
+        keep = tl.load(mask_ptr + slot * mask_stride + offs, mask=valid, other=0.0)
+        x_ptrs = x_ptr + slot * x_stride + offs
+        x = tl.load(x_ptrs, mask=valid, other=0.0)
+        proper = a * image + b * noise
+        tl.store(x_ptrs, (1.0 - keep) * proper + keep * x, mask=valid)
+
+
+def blend_known_region_triton(latents: torch.Tensor, image_latents: torch.Tensor, noise: torch.Tensor,
+                              mask: torch.Tensor, index: torch.Tensor, coefs: torch.Tensor,
+                              block: int = 1024) -> None:
+    """The masked blend as one Triton launch: one program per (entry, block of elements).
+    Slot storage: float32 slots × numel (unit element stride); index int32 entries;
+    coefs float32 entries × 2; all on latents' device."""
+    entries = index.shape[0]
+    if entries == 0:
+        return
+    numel = latents.shape[1]
+    for name, t in (("latents", latents), ("image_latents", image_latents), ("noise", noise), ("mask", mask)):
+        if t.dim() != 2 or t.shape[1] != numel or t.dtype != torch.float32 or t.stride(1) != 1:
+            raise ValueError(f"blend_known_region: {name} must be float32 rows × {numel} with unit element "
+                             f"stride, not {t.dtype} {tuple(t.shape)}")
+        if t.device != latents.device:
+            raise ValueError(f"blend_known_region: {name} is on {t.device}, latents on {latents.device}")
+    if index.dtype != torch.int32 or index.dim() != 1:
+        raise ValueError(f"blend_known_region: index must be int32 entries, not {index.dtype} {tuple(index.shape)}")
+    if coefs.dtype != torch.float32 or tuple(coefs.shape) != (entries, 2):
+        raise ValueError(f"blend_known_region: coefs must be float32 {entries} × 2, not {tuple(coefs.shape)}")
+    index, coefs = index.contiguous(), coefs.contiguous()
+    block = min(block, triton.next_power_of_2(numel))
+    grid = (entries, triton.cdiv(numel, block))
+    device = latents.device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _blend_known_region_kernel[grid](latents, image_latents, noise, mask, index, coefs, numel,
+                                         latents.stride(0), image_latents.stride(0), noise.stride(0),
+                                         mask.stride(0), BLOCK=block, **LAUNCH_OPTIONS)
+
+
+def blend_known_region(latents, image_latents, noise, mask, index, coefs) -> None:
+    """The CPU path is the torch reference; on CUDA the Triton kernel."""
+    if latents.is_cuda and triton is not None:
+        blend_known_region_triton(latents, image_latents, noise, mask, index, coefs)
+    else:
+        blend_known_region_reference(latents, image_latents, noise, mask, index, coefs)

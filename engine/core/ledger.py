@@ -48,6 +48,13 @@ class Ledger:
         self.used.trajectory_bytes -= r.trajectory_bytes
         r.trajectory_bytes = 0
 
+    def give_back_part(self, r: Reservation, nbytes: int) -> None:
+        """Return part of a trajectory reservation early: what the request no longer holds
+        (an image request's encoded input bytes, spent in its image-encode phase)."""
+        nbytes = min(nbytes, r.trajectory_bytes)
+        self.used.trajectory_bytes -= nbytes
+        r.trajectory_bytes -= nbytes
+
     def give_back_decode(self, r: Reservation) -> None:
         self.used.output_bytes -= r.output_bytes
         self.used.decode_buffers -= r.decode_buffers
@@ -55,8 +62,18 @@ class Ledger:
 
 
 def reservation_for(latent_shape: tuple[int, ...], height: int, width: int, output: str,
-                    conditioning_bytes: int = 0) -> Reservation:
-    """What one request holds: its trajectory state and conditioning rows while it
-    denoises, then its decode buffer and output bytes until its output is delivered."""
-    trajectory = 4 * math.prod(latent_shape) * TRAJECTORY_ROWS + conditioning_bytes
+                    conditioning_bytes: int = 0, image_bytes: int = 0) -> Reservation:
+    """What one request holds: its trajectory state, conditioning rows and image inputs
+    (`image_input_nbytes`) while it denoises, then its decode buffer and output bytes
+    until its output is delivered."""
+    trajectory = 4 * math.prod(latent_shape) * TRAJECTORY_ROWS + conditioning_bytes + image_bytes
     return Reservation(trajectory, output_nbytes(output, height, width, latent_shape))
+
+
+def image_input_nbytes(latent_shape: tuple[int, ...], input_bytes: int, masked: bool) -> int:
+    """Bytes an image request holds for its inputs: the encoded image (and mask) bytes it
+    arrived with, until its image-encode phase (`Ledger.give_back_part`), and its image
+    latents; with a mask also the slot's kept noise and the mask at latent resolution
+    (one float32 row of the latents each), until its slot is released. The decoded
+    pixels live only from validation through the encode phase, bounded by the queue."""
+    return input_bytes + 4 * math.prod(latent_shape) * (3 if masked else 1)

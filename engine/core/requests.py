@@ -41,6 +41,7 @@ class Request:
     trajectory: Any = None  # engine.core.solvers.Trajectory: schedule and random stream
     request_inputs: dict = dataclasses.field(default_factory=dict)  # per-request model inputs, 2 × field each
     adapters: tuple[int, ...] = ()  # adapter-pool slots it references (released after its fence)
+    image_inputs: Any = None  # engine.core.image_inputs.ImageInputs: its decoded image and mask, until encoded
     preview_steps: tuple[int, ...] = ()  # steps after which the x0 estimate is published
     status: RequestStatus = RequestStatus.QUEUED
     ending: Ending | None = None

@@ -14,7 +14,7 @@ import torch
 
 from engine.core.device import PinnedBuffers, StepTimer
 from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
-from engine.core.kernels import update_slots
+from engine.core.kernels import blend_known_region, update_slots
 from engine.core.slots import Batch, Group, Launch, Report
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
@@ -81,18 +81,25 @@ class Runner:
         noise_row = np.full(int(kernel.sum()), -1, dtype=np.int64)
         noise_row[noisy] = np.arange(noisy.size)
         kernel_slots = act[kernel]
-        if noisy.size:
+        noise = None
+        if noisy.size:  # up with the step's other arrays (page-locked staging on CUDA)
             requests = group.requests
             noise = torch.stack([requests[s].trajectory.step_noise(int(group.step_index[s]))
-                                 for s in kernel_slots[noisy].tolist()])
-            noise = noise.to(self.device, non_blocking=True)
-        else:
-            noise = torch.empty(0, device=self.device)
+                                 for s in kernel_slots[noisy].tolist()]).numpy()
         index = np.stack([kernel_slots, cond_row[kernel], uncond_row[kernel], noise_row], axis=1).astype(np.int32)
         coefs = group.coef_table[kernel_slots, steps[kernel]]
         arrays = {"index": index, "coefs": coefs, "row_slot": row_slot, "row_divisor": row_divisor,
                   "row_timestep": row_timestep, "row_input": 2 * cond_slot + branch}
+        # inpainting: the slots that keep their known region after this step, with the add_noise
+        # coefficients of the timestep each reaches next
+        masked_slots = act[group.masked[act]]
+        arrays["masked_index"] = masked_slots.astype(np.int32)
+        arrays["masked_coefs"] = (group.noising_table[masked_slots, group.step_index[masked_slots]]
+                                  if masked_slots.size else np.zeros((0, 2), dtype=np.float32))
+        if noise is not None:
+            arrays["noise"] = noise
         dev = self._upload(group, arrays)
+        noise = dev["noise"] if noise is not None else torch.empty(0, device=self.device)
         first = row_conditioning[0]
         inputs = ModelInputs(
             sample=None, timestep=dev["row_timestep"],
@@ -103,7 +110,8 @@ class Runner:
             slots=act, index=dev["index"], index_host=index, coefs=dev["coefs"],
             generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),
             row_slot=row_slot, row_index=dev["row_slot"], row_divisor=dev["row_divisor"], inputs=inputs,
-            noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful)
+            noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful, masked_slots=masked_slots,
+            masked_index=dev["masked_index"], masked_coefs=dev["masked_coefs"])
 
     def _upload(self, group: Group, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """The step's small arrays on the device. On CUDA through persistent page-locked
@@ -116,7 +124,9 @@ class Runner:
             group.staging = PinnedBuffers({
                 "index": (np.int32, (entries, 4)), "coefs": (np.float32, (entries, NUM_COEFS)),
                 "row_slot": (np.int64, (rows,)), "row_divisor": (np.float32, (rows,)),
-                "row_timestep": (np.float32, (rows,)), "row_input": (np.int64, (rows,))}, self.device)
+                "row_timestep": (np.float32, (rows,)), "row_input": (np.int64, (rows,)),
+                "masked_index": (np.int32, (entries,)), "masked_coefs": (np.float32, (entries, 2)),
+                "noise": (np.float32, (entries, group.numel))}, self.device)
         staged = group.staging.acquire()
         for name, array in arrays.items():
             staged.host[name][:len(array)] = array
@@ -138,6 +148,9 @@ class Runner:
             x_in[cond_row] = scaled[0]
             if uncond_row >= 0:
                 x_in[uncond_row] = scaled[0]
+        if group.channels_last[batch.row_slot].all():
+            # only requests whose pipeline keeps channels-last latents: the denoiser's rounding as theirs
+            x_in = x_in.contiguous(memory_format=torch.channels_last)
         inputs = dataclasses.replace(batch.inputs, sample=x_in.to(self.model.dtype))
         culprits: dict[int, Exception] = {}
         try:
@@ -148,11 +161,18 @@ class Runner:
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
             self._step_generic(group, batch, out, previews)
+        if batch.masked_slots.size:  # inpainting: the known region back, after every sampler's update
+            blend_known_region(group.latents, group.image_latents, group.image_noise, group.mask,
+                               batch.masked_index, batch.masked_coefs)
         if previews and self.async_copies:  # to the host behind this step's fence, not by a draining .to("cpu")
             previews = {slot: None if x0 is None else self.copy_to_host(x0) for slot, x0 in previews.items()}
-        # one reduction per step over the group's slots, read by the reaper after the fence: no
-        # per-slot device sync, no host-to-device copy
+        # one reduction per step over the group's slots, copied to the host behind the step's
+        # fence and read by the reaper once it is done: reading the device tensor itself would
+        # synchronise the stream (and every launch queued since) every step
         finite = torch.isfinite(group.latents).all(1)
+        if self.async_copies:
+            flags = torch.empty(finite.shape, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+            finite = flags.copy_(finite, non_blocking=True)
         fence = self.fences.record()
         self.useful_rows += batch.useful_rows
         self.padded_rows += batch.padded_rows
@@ -232,6 +252,11 @@ class Runner:
         batch = dataclasses.replace(batch, index=batch.index[keep], index_host=batch.index_host[keep_entries],
                                     coefs=batch.coefs[keep], generic=batch.generic[keep_generic],
                                     slots=batch.slots[~np.isin(batch.slots, bad)])
+        if batch.masked_slots.size:
+            keep_masked = ~np.isin(batch.masked_slots, bad)
+            kept = torch.from_numpy(keep_masked).to(self.device)
+            batch = dataclasses.replace(batch, masked_slots=batch.masked_slots[keep_masked],
+                                        masked_index=batch.masked_index[kept], masked_coefs=batch.masked_coefs[kept])
         return out, batch, culprits
 
     def _previews(self, group: Group, batch: Batch, out: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -250,7 +275,8 @@ class Runner:
         return due
 
     def _generic_timestep(self, group: Group, slot: int) -> torch.Tensor:
-        return group.requests[slot].trajectory.scheduler.timesteps[int(group.step_index[slot])]
+        trajectory = group.requests[slot].trajectory  # an image request runs the schedule's tail from `begin`
+        return trajectory.scheduler.timesteps[trajectory.schedule.begin + int(group.step_index[slot])]
 
     def _step_generic(self, group: Group, batch: Batch, out: torch.Tensor, previews: dict) -> None:
         """Slots whose scheduler the kernel does not express: the guidance combine as the
@@ -262,6 +288,8 @@ class Runner:
             if uncond_row >= 0:
                 uncond = out[uncond_row]
                 guided = uncond + request.cfg_scale * (guided - uncond)
+            else:  # a copy: the scheduler keeps what it is given (PNDM's ets), and a graph's
+                guided = guided.clone()  # output buffer is rewritten by the next replay
             x = group.latents[slot].view(shape).clone()  # schedulers keep references (PNDM's cur_sample)
             x_next, x0 = request.trajectory.scheduler_step(guided.view(shape).float(),
                                                            self._generic_timestep(group, slot), x)

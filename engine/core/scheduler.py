@@ -28,12 +28,15 @@ log = logging.getLogger("diffslot.core")
 
 class Scheduler:
     def __init__(self, config, ledger: Ledger, make_group: Callable[[tuple, tuple], SlotMap],
-                 clock: Callable[[], float], outputs: list):
+                 clock: Callable[[], float], outputs: list, acquire: Callable[[Request], bool] | None = None):
         self.config = config
         self.ledger = ledger
         self.make_group = make_group
         self.clock = clock
         self.outputs = outputs  # shared with the core: what `step()` returns
+        # admission's last check: resources outside the ledger (adapters made resident); False:
+        # the request waits, as for memory
+        self.acquire = acquire
         self.queue: collections.deque[Request] = collections.deque()
         self.requests: dict[str, Request] = {}
         self.groups: dict[tuple, SlotMap] = {}
@@ -121,7 +124,7 @@ class Scheduler:
             if slot < 0:
                 full_groups.add(key)
                 continue
-            if not self.ledger.fits(request.reservation):
+            if not self.ledger.fits(request.reservation) or (self.acquire is not None and not self.acquire(request)):
                 waiting_for_memory.append(request)  # a known boundary: it waits, others may pass
                 continue
             for waiting in waiting_for_memory:

@@ -36,12 +36,24 @@ class Group(SlotMap):
         self.timestep_table = np.zeros((slots, max_steps), dtype=np.float32)
         self.divisor_table = np.ones((slots, max_steps), dtype=np.float32)
         self.staging = None  # the step's page-locked upload buffers (CUDA), made on first use
+        # inpainting (4-channel denoisers): the slot keeps the image's latents, its initial
+        # noise and the mask (1 = repaint, broadcast over the channels), and per step the
+        # add_noise coefficients of the timestep it reaches next. Made on the group's first
+        # masked request; a slot's rows are its own from `attach_image` to its release
+        self.masked = np.zeros(slots, dtype=bool)
+        # the slot's request is one whose pipeline keeps channels-last latents (SD/SDXL img2img)
+        self.channels_last = np.zeros(slots, dtype=bool)
+        self.image_latents = self.image_noise = self.mask = None
+        self.noising_table: np.ndarray | None = None
+        self.max_steps = max_steps
 
     @property
     def nbytes(self) -> int:
         """Device and host bytes the group holds whatever its slots hold."""
         tables = self.coef_table.nbytes + self.timestep_table.nbytes + self.divisor_table.nbytes
         inputs = sum(t.numel() * t.element_size() for t in self.request_inputs.values())
+        if self.mask is not None:
+            tables += 3 * self.latents.numel() * 4 + self.noising_table.nbytes
         return 2 * self.latents.numel() * 4 + tables + inputs
 
     def place(self, request, slot: int) -> None:
@@ -54,7 +66,10 @@ class Group(SlotMap):
         self.coef_table[slot, :n] = schedule.coefs
         self.timestep_table[slot, :n] = schedule.timesteps
         self.divisor_table[slot, :n] = schedule.input_divisor
-        self.latents[slot].copy_(request.trajectory.initial_latents().reshape(-1), non_blocking=True)
+        self.masked[slot] = self.channels_last[slot] = False
+        if request.image_inputs is None:
+            self.latents[slot].copy_(request.trajectory.initial_latents().reshape(-1), non_blocking=True)
+        # else: the image-encode phase starts the slot (`attach_image`), its draws after the VAE's
         self.history[slot].zero_()
         for name, value in request.request_inputs.items():
             table = self.request_inputs.get(name)
@@ -66,9 +81,32 @@ class Group(SlotMap):
     def attach_conditioning(self, slot: int, prompt, negative) -> None:
         self.conditioning[slot] = (prompt, negative)
 
+    def attach_image(self, slot: int, start: torch.Tensor, known: tuple | None = None,
+                     channels_last: bool = False) -> None:
+        """An image request's first latents (its image's latents noised to its first
+        timestep); for inpainting `known` = (image latents, noise, mask at latent
+        resolution 1 × h × w, per-step add_noise coefficients steps × 2)."""
+        self.latents[slot].copy_(start.reshape(-1), non_blocking=True)
+        self.channels_last[slot] = channels_last
+        if known is None:
+            return
+        image_latents, noise, mask, noising = known
+        if self.mask is None:
+            self.image_latents = torch.zeros_like(self.latents)
+            self.image_noise = torch.zeros_like(self.latents)
+            self.mask = torch.zeros_like(self.latents)
+            self.noising_table = np.zeros((self.slots, self.max_steps, 2), dtype=np.float32)
+        shape = self.latent_shape
+        self.image_latents[slot].copy_(image_latents.reshape(-1), non_blocking=True)
+        self.image_noise[slot].copy_(noise.reshape(-1), non_blocking=True)
+        self.mask[slot].view(shape).copy_(mask.reshape(1, *shape[1:]).expand(shape), non_blocking=True)
+        self.noising_table[slot, :len(noising)] = noising
+        self.masked[slot] = True
+
     def release(self, slot: int) -> None:
         super().release(slot)
         self.conditioning[slot] = None  # after the fence: no launch reads these rows any more
+        self.masked[slot] = self.channels_last[slot] = False  # its image rows are free for the next request
 
 
 @dataclasses.dataclass
@@ -87,6 +125,11 @@ class Batch:
     noise: torch.Tensor
     useful_rows: int
     padded_rows: int
+    # inpainting: the slots whose known region is kept after this step, and their add_noise
+    # coefficients (entries × 2) at the timestep each reaches next
+    masked_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    masked_index: torch.Tensor | None = None  # the same slots, int32, on the device
+    masked_coefs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

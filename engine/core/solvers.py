@@ -161,6 +161,14 @@ class Schedule:
     init_noise_sigma: float
     stochastic: bool  # draws noise at every step (euler_ancestral)
     scheduler: object | None = None  # generic path: a diffusers scheduler after set_timesteps (a template)
+    # image inputs: the trajectory is the full schedule's tail from index `begin` (the
+    # pipelines' `t_start * scheduler.order`); the arrays above hold only that tail
+    begin: int = 0
+    # add_noise(x, noise, t) = a * x + b * noise, as (a, b) float32: at the first timestep
+    # (the initial latents), and per step k at the timestep after it (inpainting keeps the
+    # known region noised to where the trajectory is next; the last row (1, 0): unnoised)
+    start_noising: np.ndarray | None = None  # 2
+    step_noising: np.ndarray | None = None  # steps × 2
 
     @property
     def steps(self) -> int:
@@ -168,15 +176,22 @@ class Schedule:
 
 
 def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: float,
-                   options: tuple = ()) -> Schedule:
+                   options: tuple = (), start: int | None = None) -> Schedule:
     """`options`: (name, value) pairs for `set_timesteps` beside the step count, as the
-    pipeline passes them (FLUX's `sigmas` and resolution-dependent `mu`)."""
+    pipeline passes them (FLUX's `sigmas` and resolution-dependent `mu`).
+
+    `start` (image inputs): the pipeline's `t_start` from `get_timesteps(steps, strength)`;
+    the trajectory then runs the schedule's tail from `t_start * scheduler.order`, every
+    first-step special case (DPM-Solver++'s first-order start, the scheduler's
+    `set_begin_index`) relative to that step, and the schedule carries the add_noise
+    coefficients of its timesteps. None: text-to-image, the whole schedule."""
     if sampler == "default":
         sampler = kernel_sampler_of_default(scheduler_config) or "generic"
     if sampler == "generic":
-        return _generic_schedule(folder_scheduler(scheduler_config), steps, guidance, options)
+        return _generic_schedule(folder_scheduler(scheduler_config), steps, guidance, options, start)
     sched = make_scheduler(sampler, scheduler_config)
     _set_timesteps(sched, steps, options)
+    begin = _begin_index(sched, start)
     prediction = prediction_type_of(scheduler_config)
     timesteps = sched.timesteps.to(torch.float64).numpy()
     coefs = np.zeros((len(timesteps), NUM_COEFS), dtype=np.float64)
@@ -197,15 +212,61 @@ def build_schedule(sampler: str, scheduler_config: dict, steps: int, guidance: f
         _ddim(coefs, sched, timesteps.astype(np.int64), prediction)
     else:
         input_divisor = np.ones(len(timesteps))
-        _dpmpp_2m(coefs, sched, prediction)
+        _dpmpp_2m(coefs, sched, prediction, begin)
     _fold(coefs)
+    start_noising, step_noising = _noising(sched, begin) if start is not None else (None, None)
     return Schedule(
-        coefs=coefs.astype(np.float32),
-        timesteps=timesteps.astype(np.float32),
-        input_divisor=input_divisor.astype(np.float32),
+        coefs=coefs[begin:].astype(np.float32),
+        timesteps=timesteps[begin:].astype(np.float32),
+        input_divisor=input_divisor[begin:].astype(np.float32),
         init_noise_sigma=init_noise_sigma(sched),
         stochastic=sampler == "euler_ancestral",
+        begin=begin, start_noising=start_noising, step_noising=step_noising,
     )
+
+
+def _begin_index(sched, start: int | None) -> int:
+    """Where a trajectory starting at the pipeline's `t_start` begins in the schedule's
+    arrays, as `get_timesteps` slices them; the scheduler is told, as the pipeline tells it."""
+    if start is None:
+        return 0
+    begin = start * int(getattr(sched, "order", 1))
+    if not 0 <= begin < len(sched.timesteps):
+        raise UnsupportedSampler(f"a trajectory cannot start at step {start} of {len(sched.timesteps)}")
+    if hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(begin)
+    return begin
+
+
+@torch.no_grad()
+def _noising(sched, begin: int) -> tuple[np.ndarray, np.ndarray]:
+    """The add_noise coefficients (a, b) the pipeline's own calls use, read from the
+    scheduler itself: its `add_noise` (flow matching: `scale_noise`) is a * x + b * noise
+    elementwise with one float32 a and b per timestep, so probing it with ones and zeros
+    gives exactly those two numbers, a * 1 + b * 0 = a. Index-based schedulers find their
+    sigma by step index: at the start the begin index, after step k the index the
+    scheduler's own `step` has advanced to (begin + k + 1), as in the inpainting loop."""
+    probe = copy.deepcopy(sched)
+    noise_at = getattr(probe, "add_noise", None)
+    if noise_at is None:
+        scale_noise = probe.scale_noise
+        noise_at = lambda x, n, t: scale_noise(x, t, n)  # noqa: E731 - flow matching's argument order
+    one, zero = torch.ones(1), torch.zeros(1)
+    timesteps = probe.timesteps
+
+    def at(index: int, step_index: int | None) -> tuple[float, float]:
+        if hasattr(probe, "_step_index"):
+            probe._step_index = step_index
+        t = timesteps[index:index + 1]
+        return float(noise_at(one, zero, t)), float(noise_at(zero, one, t))
+
+    start = np.array(at(begin, None), dtype=np.float32)
+    n = len(timesteps) - begin
+    steps = np.zeros((n, 2), dtype=np.float32)
+    for k in range(n - 1):
+        steps[k] = at(begin + k + 1, begin + k + 1)
+    steps[n - 1] = (1.0, 0.0)  # after the last step the known region is the image's latents themselves
+    return start, steps
 
 
 def _set_timesteps(sched, steps: int, options: tuple) -> None:
@@ -220,16 +281,20 @@ def _set_timesteps(sched, steps: int, options: tuple) -> None:
         sched.set_timesteps(steps, **kwargs)
 
 
-def _generic_schedule(sched, steps: int, guidance: float, options: tuple = ()) -> Schedule:
+def _generic_schedule(sched, steps: int, guidance: float, options: tuple = (), start: int | None = None) -> Schedule:
     """A scheduler the kernel does not express (PNDM, LMS, UniPC, ...): each request steps
-    its own copy of the diffusers object; the core only gathers its rows."""
+    its own copy of the diffusers object (told its begin index, as the pipeline tells it);
+    the core only gathers its rows."""
     _set_timesteps(sched, steps, options)
-    n = len(sched.timesteps)
+    begin = _begin_index(sched, start)
+    n = len(sched.timesteps) - begin
     coefs = np.zeros((n, NUM_COEFS), dtype=np.float32)
     coefs[:, G] = guidance
-    return Schedule(coefs=coefs, timesteps=sched.timesteps.to(torch.float32).numpy(),
+    start_noising, step_noising = _noising(sched, begin) if start is not None else (None, None)
+    return Schedule(coefs=coefs, timesteps=sched.timesteps[begin:].to(torch.float32).numpy(),
                     input_divisor=np.ones(n, dtype=np.float32), init_noise_sigma=init_noise_sigma(sched),
-                    stochastic=False, scheduler=sched)
+                    stochastic=False, scheduler=sched, begin=begin, start_noising=start_noising,
+                    step_noising=step_noising)
 
 
 def _karras(coefs: np.ndarray, sigmas32: torch.Tensor, prediction: str, ancestral: bool) -> None:
@@ -277,8 +342,10 @@ def _ddim(coefs: np.ndarray, sched: DDIMScheduler, timesteps: np.ndarray, predic
         coefs[:, CLIP] = sched.config.clip_sample_range
 
 
-def _dpmpp_2m(coefs: np.ndarray, sched: DPMSolverMultistepScheduler, prediction: str) -> None:
-    """DPM-Solver++(2M) (DPMSolverMultistepScheduler.step with dpmsolver++, order 2)."""
+def _dpmpp_2m(coefs: np.ndarray, sched: DPMSolverMultistepScheduler, prediction: str, begin: int = 0) -> None:
+    """DPM-Solver++(2M) (DPMSolverMultistepScheduler.step with dpmsolver++, order 2). The
+    first step a trajectory takes (`begin`) is first order: the scheduler has no history
+    yet (`lower_order_nums`); the final-step rules count the whole schedule, as there."""
     cfg = sched.config
     sigmas = sched.sigmas.to(torch.float64).numpy()
     if cfg.use_flow_sigmas:
@@ -309,7 +376,7 @@ def _dpmpp_2m(coefs: np.ndarray, sched: DPMSolverMultistepScheduler, prediction:
         h = lam[i + 1] - lam[i]
         phi = alphas[i + 1] * math.expm1(-h)  # alpha_t * (exp(-h) - 1)
         coefs[i, A] = sig_t[i + 1] / sig_t[i]
-        if i == 0 or lower_order_final:
+        if i == begin or lower_order_final:
             coefs[i, B] = -phi
             continue
         r0 = (lam[i] - lam[i - 1]) / h

@@ -11,9 +11,12 @@ from engine.protocol import MAX_PROMPT_CHARS, OUTPUT_KINDS, SAMPLERS, GeneratePa
 MAX_GUIDANCE = 100.0
 
 
-def checked_size(model, geometry, p: GenerateParams, max_steps: int) -> tuple[int, int]:
+def checked_size(model, geometry, p: GenerateParams, max_steps: int,
+                 image_size: tuple[int | None, int | None] = (None, None)) -> tuple[int, int]:
     """(height, width) of a well-formed request; raises RequestRejected naming the field.
-    `geometry`: the model's `engine.models.geometry.Geometry`."""
+    `geometry`: the model's `engine.models.geometry.Geometry`. `image_size`: an image
+    request's (height, width) where not given (the image's own, as its pipeline rounds
+    them); a side that comes from the image and does not fit names `image`."""
     for field in ("prompt", "negative_prompt"):
         text = getattr(p, field)
         if field == "negative_prompt" and text is None:
@@ -41,8 +44,13 @@ def checked_size(model, geometry, p: GenerateParams, max_steps: int) -> tuple[in
         raise RequestRejected(f"must be one of {', '.join(OUTPUT_KINDS)}", "output")
     multiple, largest = geometry.size_multiple, geometry.max_size
     size = []
-    for field in ("height", "width"):
+    for field, from_image in zip(("height", "width"), image_size):
         value = getattr(p, field)
+        if value is None and from_image is not None:
+            if not multiple <= from_image <= largest or from_image % multiple:
+                raise RequestRejected(f"its {field} of {from_image} pixels is not a multiple of {multiple} in "
+                                      f"[{multiple}, {largest}]: give height and width to resize it", "image")
+            value = from_image
         value = geometry.native_size if value is None else value
         if type(value) is not int or not multiple <= value <= largest or value % multiple:
             raise RequestRejected(f"must be a multiple of {multiple} in [{multiple}, {largest}]", field)

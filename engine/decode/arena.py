@@ -50,7 +50,7 @@ import numpy as np
 
 from engine import _C
 from engine.processes import pid_alive
-from engine.protocol import SEGMENT_PREFIX
+from engine.protocol import OUTPUT_KINDS, SEGMENT_PREFIX
 
 log = logging.getLogger("diffslot.arena")
 
@@ -102,7 +102,7 @@ STATE_NAMES = ("FREE", "READY", "CLAIMED", "DONE", "FAILED", "REVOKED")
 # FAILED reasons
 FAIL_CANCELED, FAIL_ERROR = 1, 2
 # output kinds / dtypes
-KINDS = ("png", "uint8", "latent")
+KINDS = OUTPUT_KINDS
 DTYPES = ("", "uint8", "float32")
 
 _EPOCH_LIMIT = 1 << 39

@@ -5,11 +5,11 @@ import os
 from typing import Callable
 
 from engine.decode.in_process import InProcessDecodeStage
-from engine.decode.stage import DecodeStage
+from engine.decode.stage import DecodeConfig, DecodeStage
 
 #: Cores per decode worker process on a CPU machine: below this many cores per worker, a
-#: worker takes cores the denoiser wants (measured on 2 cores, issue 14: the served engine
-#: at 0.64-0.75 of the denoiser's rows/s with two workers, 0.90 with one).
+#: worker takes cores the denoiser wants (measured on 2 cores: the served engine at
+#: 0.64-0.75 of the denoiser's rows/s with two workers, 0.90 with one).
 CPU_CORES_PER_WORKER = 8
 
 
@@ -31,33 +31,36 @@ def default_decode_workers(device: str = "cpu", cpus: int | None = None) -> int:
     return max(0, min(4, cpus // CPU_CORES_PER_WORKER - 1))
 
 
-def make_decode_stage(model, workers: int | None, on_ready: Callable[[], None] | None = None, *,
-                      buffers: int | None = None, **options) -> DecodeStage:
-    """The decode stage for `--decode-workers N` (None: `default_decode_workers` for the
-    model's device).
+def make_decode_stage(model, config: DecodeConfig | int | None = None, on_ready: Callable[[], None] | None = None,
+                      *, buffers: int | None = None) -> DecodeStage:
+    """The decode stage `config` asks for (an int N is `DecodeConfig(workers=N)`; workers
+    None: `default_decode_workers` for the model's device).
 
     N ≥ 1: `engine.decode.workers.MultiProcessDecodeStage` — N worker processes, each
     loading the model's VAE from its folder, fed through a shared-memory arena of
-    `buffers` decode buffers (default: CoreConfig's `decode_buffers`, 8; pass the core's
-    value so the arena holds every decode admission reserves). Blocks until the workers
-    have loaded their model; raises if they cannot. `options` go to the stage
-    (decode_timeout_s, max_size, threads_per_worker, ...). "latent" outputs are answered
-    in the engine at submit, without a worker.
+    `buffers` decode buffers (default 8; pass the core's `decode_buffers` so the arena
+    holds every decode admission reserves). Blocks until the workers have loaded their
+    model; raises if they cannot. "latent" outputs are answered in the engine at submit,
+    without a worker.
     N == 0: decode on a thread of the engine process (`InProcessDecodeStage`).
+    Either way a decode past `decode_timeout_s` fails its request.
     """
+    if not isinstance(config, DecodeConfig):
+        config = DecodeConfig(workers=config)
     device = str(getattr(model, "device", "cpu"))
-    if workers is None:
-        workers = default_decode_workers(device)
+    workers = default_decode_workers(device) if config.workers is None else config.workers
     if workers <= 0:
-        return InProcessDecodeStage(model, on_ready=on_ready)
+        return InProcessDecodeStage(model, on_ready=on_ready, decode_timeout_s=config.decode_timeout_s)
     from engine.decode.workers import MultiProcessDecodeStage  # loads the arena's C atomics
 
-    options.setdefault("pin_memory", device.startswith("cuda"))
-    # FIX [workload bench, issue 7]: on a CPU device the denoiser shares the cores with the decode
-    # workers, and the stage's default of cpu_count // workers torch threads per worker
-    # oversubscribes them: on 2 cores with the denoiser busy, one shapes-model VAE decode took
-    # ~430 ms p50 with 2 threads vs ~15 ms with 1 (OpenMP threads waiting on descheduled
-    # siblings), and decode dominated time to usable output. On CPU, one thread per worker.
-    if not device.startswith("cuda"):
-        options.setdefault("threads_per_worker", 1)
-    return MultiProcessDecodeStage(model, workers, buffers or 8, device, on_ready=on_ready, **options)
+    pin_memory = device.startswith("cuda") if config.pin_memory is None else config.pin_memory
+    # On a CPU device the denoiser shares the cores with the decode workers: more than one
+    # torch thread per worker oversubscribes them (on 2 cores with the denoiser busy, a
+    # shapes-model VAE decode took ~430 ms p50 with 2 threads vs ~15 ms with 1: OpenMP
+    # threads waiting on descheduled siblings). On CUDA the stage's own default applies.
+    threads = config.threads_per_worker
+    if threads is None and not device.startswith("cuda"):
+        threads = 1
+    return MultiProcessDecodeStage(model, workers, buffers or 8, device, on_ready=on_ready, max_size=config.max_size,
+                                   decode_timeout_s=config.decode_timeout_s or None, threads_per_worker=threads,
+                                   pin_memory=pin_memory, start_timeout_s=config.start_timeout_s)

@@ -19,6 +19,29 @@ from engine.protocol import GenerateParams, Timings
 CANCELED = "canceled"  # the `error` of a decode whose output was dropped by `cancel`
 
 
+def _cli(*flags: str, help: str, metavar: str | None = None, dest: str | None = None) -> dict:
+    """Field metadata naming the field's command-line flag (engine.serve.options reads it)."""
+    return {"cli": {"flags": flags, "help": help, "metavar": metavar, "dest": dest}}
+
+
+@dataclasses.dataclass
+class DecodeConfig:
+    """How the decode stage runs (`engine.decode.factory.make_decode_stage`)."""
+
+    workers: int | None = dataclasses.field(default=None, metadata=_cli(
+        "--decode-workers", metavar="N", dest="decode_workers",
+        help="decode worker processes; 0 decodes on a thread of the engine process (default: 0 on a CPU under "
+             "16 cores, so decoding takes none of the denoiser's cores; 1 on CUDA)"))
+    decode_timeout_s: float = dataclasses.field(default=120.0, metadata=_cli(
+        "--decode-timeout", metavar="S",
+        help="a decode running longer fails its request (Failed) and later decodes go on: a worker is killed "
+             "and replaced, an in-process decode thread is abandoned and replaced (0: no deadline)"))
+    threads_per_worker: int | None = None  # torch threads per worker (default: 1 on CPU, cores / workers on CUDA)
+    max_size: int | None = None  # the largest image side the arena holds (default: 4x the native size)
+    start_timeout_s: float = 180.0  # workers must have loaded their model by then
+    pin_memory: bool | None = None  # page-lock the arena (default: on CUDA)
+
+
 @dataclasses.dataclass
 class DecodedOutput:
     request_id: str

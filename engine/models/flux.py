@@ -43,6 +43,11 @@ class FluxModel(_PipelineModel):
     pipeline_class = "FluxPipeline"
     max_sequence_length = 512  # the pipeline's default T5 length
     denoiser_is_unet = False
+    image_pipelines = {"image": "FluxImg2ImgPipeline"}
+
+    def start_step(self, steps: int, strength: float) -> int:
+        """FluxImg2ImgPipeline's `get_timesteps` rounds the other way: int(steps − steps · strength)."""
+        return int(max(steps - min(steps * strength, steps), 0))
 
     @property
     def denoiser(self):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import json
 import pathlib
 from typing import Sequence
@@ -210,6 +211,117 @@ class DiffusionModel:
         """`run` over latents, per-row timesteps, prompt rows and request inputs."""
         return self.run(model_inputs(x, t, rows, **request_inputs))
 
+    # ---- image inputs (R21): img2img and inpainting, as the model's image pipelines do them ----
+
+    #: field → the diffusers pipeline whose image path this model follows: "image"
+    #: (img2img) and "mask" (inpainting); a model without an entry rejects the field
+    image_pipelines: dict[str, str] = {}
+
+    def image_support(self, field: str) -> str | None:
+        """Why this model cannot take `field` ("image" or "mask"), or None."""
+        if field not in self.image_pipelines:
+            kind = "image-to-image" if field == "image" else "inpainting"
+            return f"{self.pipeline_class or 'this model'} has no {kind} path"
+        return None
+
+    def image_pipeline(self, field: str):
+        """The diffusers image pipeline for `field`, on this model's own components (`from_pipe`
+        shares them): its image and mask processors are the ones the engine uses."""
+        import diffusers
+
+        pipes = self.__dict__.setdefault("_image_pipelines", {})
+        if field not in pipes:
+            pipes[field] = getattr(diffusers, self.image_pipelines[field]).from_pipe(self.pipe)
+        return pipes[field]
+
+    def default_strength(self, field: str) -> float:
+        """The pipeline's own default `strength` (SD img2img 0.8, SDXL img2img 0.3, SD
+        inpainting 1.0, SDXL inpainting 0.9999, FLUX and SD3 img2img 0.6)."""
+        import diffusers
+
+        call = getattr(diffusers, self.image_pipelines[field]).__call__
+        return float(inspect.signature(call).parameters["strength"].default)
+
+    def start_step(self, steps: int, strength: float) -> int:
+        """`t_start` of the pipeline's `get_timesteps(steps, strength)`: the steps skipped."""
+        return max(steps - min(int(steps * strength), steps), 0)
+
+    def inpaint_starts_from_noise(self, strength: float) -> bool:
+        """The inpainting pipelines start at strength 1 from pure noise (`is_strength_max`),
+        not from the image's latents noised to the first timestep."""
+        return strength == 1.0
+
+    def image_size(self, image, height: int | None, width: int | None) -> tuple[int, int]:
+        """The output size of an image request: the given sides, the others the image's,
+        rounded down to the VAE's multiple (`VaeImageProcessor.get_default_height_width`)."""
+        return self.image_pipeline("image").image_processor.get_default_height_width(image, height, width)
+
+    def preprocess_image(self, image, height: int, width: int) -> torch.Tensor:
+        """1 × 3 × height × width in [-1, 1], float32: the pipeline's `image_processor.preprocess`."""
+        pixels = self.image_pipeline("image").image_processor.preprocess(image, height=height, width=width)
+        return pixels.to(dtype=torch.float32)
+
+    def preprocess_mask(self, mask, height: int, width: int) -> torch.Tensor:
+        """1 × 1 × h × w at latent resolution, 1 = repaint: the inpainting pipeline's
+        `mask_processor.preprocess` (grey level, binarized at 0.5) resized as its
+        `prepare_mask_latents` resizes it."""
+        pipe = self.image_pipeline("mask")
+        mask = pipe.mask_processor.preprocess(mask, height=height, width=width)
+        scale = pipe.vae_scale_factor
+        return torch.nn.functional.interpolate(mask, size=(height // scale, width // scale)).to(torch.float32)
+
+    #: field → whether the image pipeline's latents are channels-last: SD's and SDXL's
+    #: img2img keep the layout of the image processor's HWC → CHW permute through the VAE,
+    #: add_noise and every step (the inpainting pipelines' `repeat` makes theirs
+    #: contiguous). A UNet's rounding depends on it, so a call whose rows all have it runs so.
+    image_channels_last: dict[str, bool] = {}
+
+    @torch.no_grad()
+    def encode_image_moments(self, pixels: Sequence[torch.Tensor]) -> list:
+        """One batched pass of the VAE's encoder over same-sized images: each image's
+        encoder output (`latent_dist`), not yet sampled. Deterministic: no random draw."""
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        vae = self.vae
+        batch = torch.cat(list(pixels)).to(self.device, vae.dtype)
+        encoded = vae.encode(batch)
+        dist = getattr(encoded, "latent_dist", None)
+        if dist is None:  # an encoder that gives latents directly
+            return [_Latents(encoded.latents[i:i + 1]) for i in range(len(pixels))]
+        return [AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(dist.parameters[i:i + 1]))
+                for i in range(len(pixels))]
+
+    def image_latents(self, moments, generator: torch.Generator) -> torch.Tensor:
+        """The image's latents as the pipeline takes them: `retrieve_latents` (a sample
+        of latent_dist from the request's own generator), scaled (and shifted) as the
+        pipeline's `_encode_vae_image` / `prepare_latents`; float32, as the engine keeps latents."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
+
+        latents = retrieve_latents(moments, generator=generator)
+        config = self.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is not None and std is not None:  # SDXL-style normalized latents
+            channels = latents.shape[1]
+            mean = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+            latents = (latents - mean) * config.scaling_factor / std
+        elif getattr(config, "shift_factor", None) is not None:  # SD3, FLUX
+            latents = (latents - config.shift_factor) * config.scaling_factor
+        else:
+            latents = config.scaling_factor * latents
+        return latents.to(torch.float32)
+
+    def masked_image_draw(self, latent_shape: tuple[int, ...], generator: torch.Generator) -> None:
+        """Advance the generator as the inpainting pipeline's masked-image encode does (one
+        latent-shaped sample from latent_dist), without running the encoder for it."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        randn_tensor((1, *latent_shape), generator=generator, device=self.device, dtype=self.vae.dtype)
+
+    def channels_last(self, field: str) -> bool:
+        return self.image_channels_last.get(field, False)
+
     @property
     def decoder(self) -> VaeDecoder:
         decoder = self.__dict__.get("_decoder")
@@ -219,6 +331,13 @@ class DiffusionModel:
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         return self.decoder.decode(latents)
+
+
+@dataclasses.dataclass
+class _Latents:
+    """An encoder output that carries latents directly (`retrieve_latents`' other case)."""
+
+    latents: torch.Tensor
 
 
 def model_inputs(x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning],
@@ -304,6 +423,14 @@ class _PipelineModel(DiffusionModel):
 
 class StableDiffusionModel(_PipelineModel):
     pipeline_class = "StableDiffusionPipeline"
+    image_pipelines = {"image": "StableDiffusionImg2ImgPipeline", "mask": "StableDiffusionInpaintPipeline"}
+    image_channels_last = {"image": True}
+
+    def image_support(self, field: str) -> str | None:
+        channels = self.pipe.unet.config.in_channels
+        if channels != self.latent_channels:
+            return f"this model's inpainting UNet ({channels} input channels) is not served yet"
+        return super().image_support(field)
 
     @property
     def denoiser(self):
@@ -337,6 +464,18 @@ class StableDiffusion3Model(_PipelineModel):
     pipeline_class = "StableDiffusion3Pipeline"
     max_sequence_length = 256  # the pipeline's default T5 length
     denoiser_is_unet = False
+    image_pipelines = {"image": "StableDiffusion3Img2ImgPipeline"}
+
+    def start_step(self, steps: int, strength: float) -> int:
+        """SD3's `get_timesteps` rounds the other way: int(steps − steps · strength)."""
+        return int(max(steps - min(steps * strength, steps), 0))
+
+    def check_params(self, params) -> tuple[str, str] | None:
+        if params.image is not None and params.sampler not in ("default", "flow_euler"):
+            # the img2img pipeline noises the image with `scheduler.scale_noise`, which only
+            # flow-matching Euler has: with DPM-Solver++ the pipeline itself cannot run
+            return "sampler", "StableDiffusion3Img2ImgPipeline runs default or flow_euler with an image"
+        return super().check_params(params)
 
     @property
     def denoiser(self):

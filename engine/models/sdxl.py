@@ -34,6 +34,7 @@ class StableDiffusionXLModel(StableDiffusionModel):
     LCM's guidance embedding (`timestep_cond`) as SD's, which this class extends."""
 
     pipeline_class = "StableDiffusionXLPipeline"
+    image_pipelines = {"image": "StableDiffusionXLImg2ImgPipeline", "mask": "StableDiffusionXLInpaintPipeline"}
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

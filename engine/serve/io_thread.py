@@ -1,8 +1,20 @@
-"""The engine process's IO thread and its configuration: the one thread that owns the
-ROUTER socket (a ZMQ socket must stay on one thread). It receives and decodes client
-frames, answers oversized ones, encodes and sends engine messages without ever blocking
-on a client (per-client backlogs, coalesced progress), and runs heartbeats and client
-liveness. The busy loop (`engine.serve.proc`) talks to it through two queues."""
+"""The engine process's IO thread: the one thread that owns the ROUTER socket (a ZMQ
+socket must stay on one thread). It receives and decodes client frames, answers
+oversized ones, encodes and sends engine messages without ever blocking on a client
+(per-client backlogs, coalesced progress), runs heartbeats and client liveness, and
+answers health probes from the busy loop's heartbeat. The busy loop
+(`engine.serve.proc`) talks to it through `engine.serve.handoff`.
+
+Inputs are bounded per client, twice. A client may send `max_client_frames_per_s`
+frames a second (with a quarter second's burst); past it the thread stops reading the
+socket until the client is back within its rate (`_pace`), so what it sends waits in
+its own ZMQ pipe, whose high-water mark then blocks the sender: a flood costs the engine
+a bounded share of this thread, and the other clients' frames, which ZMQ fair-queues
+with the flood's, are read in their turn. And a client with `max_pending_per_client`
+messages still waiting for the busy loop gets its further Submits and Stats answered
+here with `Rejected(retry_after_s)`, never queued; Cancel and Delivered, which release
+resources, still pass, up to 16 times that bound, past which the client is written off.
+"""
 from __future__ import annotations
 
 import collections
@@ -10,47 +22,78 @@ import dataclasses
 import errno
 import hmac
 import logging
+import math
 import queue
+import select
 import threading
 import time
 
 import zmq
 
 from engine.protocol import (
-    PROTOCOL_VERSION, EngineDead, Goodbye, Heartbeat, Hello, Progress, ProgressBatch, Rejected, Welcome, client_decoder, describe_decode_error, encoder,
+    PROTOCOL_VERSION, Cancel, Delivered, EngineDead, Goodbye, Health, HealthReply, Heartbeat, Hello, Progress,
+    ProgressBatch, Rejected, Stats, Submit, Welcome, client_decoder, describe_decode_error, encoder,
 )
 from engine.serve import transport
 from engine.serve.frames import peek_request_id
+from engine.serve.handoff import (
+    Broadcast, ClientConnected, ClientGone, FromClient, InputQueues, Send, Shutdown, StopIO,
+)
+from engine.serve.heartbeat import LoopHeartbeat
+from engine.serve.options import ProcConfig
 
 log = logging.getLogger("diffslot.engine")
 
-MAX_BODY_BYTES = 64 * 1024  # a client message is a few hundred bytes; more is abuse
 HARD_FRAME_LIMIT = 16 << 20  # ZMQ's MAXMSGSIZE: past it ZMQ drops the connection unanswered
+RECEIVE_BATCH = 64  # frames read before the outputs are looked at again
+FRAME_BURST_S = 0.25  # a client may send a quarter of a second's frames at once
+RELEASE_MESSAGES_FACTOR = 16  # Cancel / Delivered pending beyond 16x max_pending_per_client: written off
+PENDING_RETRY_S = 0.1
+GONE_MEMORY_S = 600.0  # how long a written-off identity is refused
 
 
 @dataclasses.dataclass
-class ProcConfig:
-    address: str
-    allow_remote_bind: bool = False
-    heartbeat_interval_s: float = 0.5
-    peer_timeout_s: float = 3.0  # silence after which a client is written off (clients use it too)
-    output_budget_bytes: int = 64 << 20  # per client (R8)
-    sndhwm: int = 256  # messages ZMQ may queue per client before EAGAIN
-    max_backlog_messages: int = 4096  # per client; beyond it the client is written off
-    metrics_port: int | None = None
-    model_name: str = ""
-    step_timeout_s: float = 120.0  # watchdog on core.step(); 0: none
-    drain_timeout_s: float = 30.0  # SIGTERM: time for requests in flight to finish
-    max_queue_per_client: int | None = None  # requests of one client waiting for a slot; None: no cap
-    max_backlog_bytes: int = 512 << 20  # output bytes held for all clients together (soft cap, fair shares)
-    auth_token: str = ""  # required in Hello when set
-    max_message_bytes: int = MAX_BODY_BYTES
-    coalesce_progress: bool = True  # one progress message per client per step (False: one per request)
+class _Queued:
+    """A message a client has not taken yet. A progress entry has no frames of its own: it
+    stands for the peer's pending (coalesced) progress, encoded when it is sent."""
+
+    frames: list | None
+    nbytes: int = 0
+
+    @property
+    def is_progress(self) -> bool:
+        return self.frames is None
 
 
-# Items on the busy loop's input queue besides ("msg", identity, message, arrival).
-WAKE = ("wake",)
-_PROGRESS = object()  # a peer's backlog entry standing for its pending (coalesced) progress
+@dataclasses.dataclass
+class FrameRate:
+    """A token bucket: `rate` a second, `burst` at once."""
+
+    rate: float
+    burst: float
+    tokens: float = 0.0
+    refilled_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.tokens = self.burst
+
+    def take(self, now: float) -> float:
+        """Count one frame; the seconds until the next one is within the rate (0: now)."""
+        self._refill(now)
+        self.tokens -= 1.0
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def try_take(self, now: float) -> bool:
+        """Count one if the rate allows it now."""
+        self._refill(now)
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.burst, self.tokens + (now - self.refilled_at) * self.rate)
+        self.refilled_at = now
 
 
 @dataclasses.dataclass
@@ -58,7 +101,8 @@ class _Peer:
     """The IO thread's view of a client connection."""
 
     last_seen: float
-    backlog: collections.deque = dataclasses.field(default_factory=collections.deque)  # [kind, frames, nbytes]
+    frame_rate: FrameRate
+    backlog: collections.deque = dataclasses.field(default_factory=collections.deque)  # of _Queued
     pending_progress: dict = dataclasses.field(default_factory=dict)  # request id → (step, total), coalesced
     backlog_bytes: int = 0
 
@@ -74,15 +118,16 @@ class IOThread(threading.Thread):
     """Owns the ROUTER socket: receives and decodes client frames, encodes and sends
     engine messages, runs heartbeats and client liveness, never blocks on a client."""
 
-    def __init__(self, router: zmq.Socket, config: ProcConfig, welcome: Welcome,
-                 input_queue: queue.SimpleQueue, output_queue: queue.SimpleQueue, waker: transport.Waker):
+    def __init__(self, router: zmq.Socket, config: ProcConfig, welcome: Welcome, inputs: InputQueues,
+                 output_queue: queue.SimpleQueue, waker: transport.Waker, heartbeat: LoopHeartbeat):
         super().__init__(name="diffslot-io", daemon=True)
         self.router = router
         self.config = config
         self.welcome = welcome
-        self.input_queue = input_queue
+        self.inputs = inputs
         self.output_queue = output_queue
         self.waker = waker
+        self.heartbeat = heartbeat
         self.peers: dict[bytes, _Peer] = {}
         self.gone: dict[bytes, float] = {}  # written-off identities → when
         self.backlog_messages = 0  # read by the busy loop for stats (an int store is atomic)
@@ -92,10 +137,20 @@ class IOThread(threading.Thread):
         self.messages_received = 0
         self.oversized_frames = 0
         self.auth_failures = 0
+        self.rejected_pending = 0  # Submits and Stats refused: their client had too many waiting
+        self.health_probes = 0
         self._token = config.auth_token.encode()
         self._decoder = client_decoder()
         self._encoder = encoder()
-        self._heartbeat = self._encoder.encode(Heartbeat())
+        self._heartbeat_frame = self._encoder.encode(Heartbeat())
+        self._release_limit = RELEASE_MESSAGES_FACTOR * config.max_pending_per_client
+        self._paused_until = 0.0  # no reading before then: a client sent faster than its frame rate
+        self._sessionless_rate = self._frame_rate()  # frames of identities without a session share one
+        self.paused_s = 0.0  # time reading was paused for clients over their frame rate
+
+    def _frame_rate(self) -> FrameRate:
+        rate = self.config.max_client_frames_per_s
+        return FrameRate(rate, max(1.0, rate * FRAME_BURST_S))
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -106,14 +161,20 @@ class IOThread(threading.Thread):
         stopping = False
         try:
             while not stopping:
-                wait_s = max(0.0, next_beat - time.monotonic())
+                now = time.monotonic()
+                wait_s = max(0.0, next_beat - now)
                 if self.backlog_messages:
                     wait_s = min(wait_s, 0.005)  # retry full pipes soon, without spinning
-                events = dict(poller.poll(wait_s * 1000))
-                if self.router in events:
-                    self._receive()
-                if self.waker.read_fd in events:
+                if now < self._paused_until:  # outputs only, woken at once for them (select's timeout is fine-grained)
+                    woken, _, _ = select.select([self.waker.read_fd], [], [], min(wait_s, self._paused_until - now))
+                    readable = False
+                else:
+                    events = dict(poller.poll(math.ceil(wait_s * 1000)))
+                    woken, readable = self.waker.read_fd in events, self.router in events
+                if woken:
                     self.waker.drain()
+                if readable:
+                    self._receive()
                 stopping = self._send_outputs()
                 if self.backlog_messages:
                     self._flush_backlogs()
@@ -128,30 +189,36 @@ class IOThread(threading.Thread):
                 time.sleep(0.005)
         except Exception:  # the engine cannot serve without its socket: bring it down loudly
             log.exception("IO thread crashed")
-            self.input_queue.put(("shutdown", "IO thread crashed"))
+            self.inputs.control.put(Shutdown("IO thread crashed"))
         finally:
             self.router.close(linger=500)
 
     def _receive(self) -> None:
-        for _ in range(512):  # then look at outputs again
+        """Read up to RECEIVE_BATCH frames, fewer if a flood pauses reading."""
+        for _ in range(RECEIVE_BATCH):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.messages_received += 1
+            arrival = time.monotonic()
             try:
-                self._handle_frames(frames, time.monotonic())
-            except Exception as exc:  # one odd frame must not take the socket down (R11)
+                self._handle_frames(frames, arrival)
+            except Exception:  # one odd frame must not take the socket down (R11)
                 log.exception("failed to handle a client frame")
-                self._send_now(frames[0], Rejected("", f"internal error on this message: {exc!r}"))
+                self._send_now(frames[0], Rejected("", "internal error on this message (the engine's log has "
+                                                       "the details)"))
+            if self._paused_until > arrival:
+                return
 
     def _handle_frames(self, frames: list[bytes], arrival: float) -> None:
         identity = frames[0]
+        peer = self.peers.get(identity)
+        self._pace(peer.frame_rate if peer is not None else self._sessionless_rate, arrival)
         if identity in self.gone:
             self._send_now(identity, EngineDead("this client was written off by the engine (silent, "
                                                 "too far behind, or said goodbye); reconnect"))
             return
-        peer = self.peers.get(identity)
         if peer is not None:
             peer.last_seen = arrival
         if len(frames) != 2:
@@ -186,7 +253,24 @@ class IOThread(threading.Thread):
         if isinstance(msg, Goodbye):
             self._write_off(identity, "client said goodbye")
             return
-        self.input_queue.put(("msg", identity, msg, arrival))
+        if isinstance(msg, Health):
+            self._answer_health(identity, msg)
+            return
+        self._forward(identity, msg, arrival)
+
+    def _forward(self, identity: bytes, msg: Submit | Cancel | Delivered | Stats, arrival: float) -> None:
+        pending = self.inputs.pending(identity)
+        if isinstance(msg, (Cancel, Delivered)):
+            if pending >= self._release_limit:
+                self._write_off(identity, f"more than {self._release_limit} messages waiting for the engine")
+                return
+        elif pending >= self.config.max_pending_per_client:
+            self.rejected_pending += 1
+            self._send(identity, Rejected(getattr(msg, "request_id", ""),
+                                          f"{pending} messages of this client are waiting for the engine, its limit "
+                                          f"(--max-pending-per-client); slow down", None, PENDING_RETRY_S), None)
+            return
+        self.inputs.put(FromClient(identity, msg, arrival))
 
     def _hello(self, identity: bytes, msg: Hello, arrival: float) -> None:
         if msg.version != PROTOCOL_VERSION:
@@ -201,9 +285,31 @@ class IOThread(threading.Thread):
                                                   "(Client(address, token=...) or $DIFFSLOT_TOKEN)", "token"))
             return
         if identity not in self.peers:
-            self.peers[identity] = _Peer(last_seen=arrival)
-            self.input_queue.put(("hello", identity, msg, arrival))
+            if len(self.peers) >= self.config.max_clients:
+                self._send_now(identity, Rejected("", f"the engine serves {len(self.peers)} clients, its limit "
+                                                      f"(--max-clients)", None, 1.0))
+                return
+            self.peers[identity] = _Peer(arrival, self._frame_rate())
+            self.inputs.put(ClientConnected(identity, msg))
         self._send_now(identity, self.welcome)
+
+    def _pace(self, frame_rate: FrameRate, now: float) -> None:
+        """Past its frame rate, a client is not read until it is back within it: ZMQ holds
+        what it sends in its pipe, whose high-water mark then blocks the sender, and when
+        reading resumes ZMQ fair-queues the other clients' frames with its."""
+        wait_s = frame_rate.take(now)
+        if wait_s > 0:
+            self._paused_until = max(self._paused_until, now + wait_s)
+            self.paused_s += wait_s
+
+    def _answer_health(self, identity: bytes, msg: Health) -> None:
+        self.health_probes += 1
+        beat = self.heartbeat
+        verdict = beat.verdict()
+        stats_at = beat.stats_at
+        self._send(identity, HealthReply(
+            msg.token, verdict.alive, beat.draining, verdict.reason, verdict.step_running_s, verdict.loop_silent_s,
+            beat.stall_limit_s, beat.stats, time.monotonic() - stats_at if stats_at else 0.0), None)
 
     # ------------------------------------------------------------------ sending
     def _send_outputs(self) -> bool:
@@ -213,14 +319,13 @@ class IOThread(threading.Thread):
                 item = self.output_queue.get_nowait()
             except queue.Empty:
                 return False
-            if item is None:
+            if isinstance(item, Send):
+                self._send(item.identity, item.message, item.payload)
+            elif isinstance(item, Broadcast):
+                for identity in list(self.peers):
+                    self._send(identity, item.message, None)
+            elif isinstance(item, StopIO):
                 return True
-            identity, msg, payload = item
-            if identity is None:  # broadcast
-                for peer_identity in list(self.peers):
-                    self._send(peer_identity, msg, None)
-            else:
-                self._send(identity, msg, payload)
 
     def _send(self, identity: bytes, msg, payload) -> None:
         """Send, or queue behind what this client has not taken yet."""
@@ -236,7 +341,7 @@ class IOThread(threading.Thread):
         outcome = self._try_send(frames)
         if outcome == "sent":
             self.messages_sent += 1
-        if outcome == "full":
+        elif outcome == "full":
             self._enqueue(identity, peer, msg, frames)
         elif outcome == "gone":
             self._write_off(identity, "connection closed")
@@ -267,11 +372,11 @@ class IOThread(threading.Thread):
                 peer.pending_progress[request_id] = (step, total)
             if not first:
                 return  # merged into the pending entry already in the backlog
-            entry = [_PROGRESS, None, 0]
+            entry = _Queued(None)
         else:
-            entry = [None, frames, _nbytes(frames)]
-            peer.backlog_bytes += entry[2]
-            self.backlog_bytes += entry[2]
+            entry = _Queued(frames, _nbytes(frames))
+            peer.backlog_bytes += entry.nbytes
+            self.backlog_bytes += entry.nbytes
         peer.backlog.append(entry)
         self.backlog_messages += 1
         if len(peer.backlog) > self.config.max_backlog_messages:
@@ -285,9 +390,8 @@ class IOThread(threading.Thread):
     def _flush_backlogs(self) -> None:
         for identity, peer in list(self.peers.items()):
             while peer.backlog:
-                kind, frames, nbytes = peer.backlog[0]
-                if kind is _PROGRESS:
-                    frames = self._progress_frames(identity, peer)
+                entry = peer.backlog[0]
+                frames = self._progress_frames(identity, peer) if entry.is_progress else entry.frames
                 outcome = self._try_send(frames)
                 if outcome == "full":
                     break
@@ -297,20 +401,20 @@ class IOThread(threading.Thread):
                 peer.backlog.popleft()
                 self.backlog_messages -= 1
                 self.messages_sent += 1
-                if kind is _PROGRESS:
+                if entry.is_progress:
                     peer.pending_progress.clear()
                 else:
-                    peer.backlog_bytes -= nbytes
-                    self.backlog_bytes -= nbytes
+                    peer.backlog_bytes -= entry.nbytes
+                    self.backlog_bytes -= entry.nbytes
 
     def _beat(self, now: float) -> None:
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > self.config.peer_timeout_s:
                 self._write_off(identity, f"no message for {self.config.peer_timeout_s:g}s")
-            elif not peer.backlog and self._try_send([identity, self._heartbeat]) == "gone":
+            elif not peer.backlog and self._try_send([identity, self._heartbeat_frame]) == "gone":
                 self._write_off(identity, "connection closed")
         for identity, when in list(self.gone.items()):  # remember write-offs for a while only
-            if now - when > 600:
+            if now - when > GONE_MEMORY_S:
                 del self.gone[identity]
 
     def _write_off(self, identity: bytes, reason: str) -> None:
@@ -320,4 +424,4 @@ class IOThread(threading.Thread):
         self.backlog_messages -= len(peer.backlog)
         self.backlog_bytes -= peer.backlog_bytes
         self.gone[identity] = time.monotonic()
-        self.input_queue.put(("gone", identity, reason))
+        self.inputs.put_gone(ClientGone(identity, reason))

@@ -1,8 +1,8 @@
 """The step watchdog (R15): a `core.step()` that runs longer than `--step-timeout`
 ends the engine, so a supervisor (systemd, Kubernetes) restarts it.
 
-The busy loop stamps the start of every step (`begin`) and clears it after (`end`):
-two attribute stores, no lock, no syscall. A daemon thread looks at the stamp every
+The busy loop stamps the start and end of every step on its heartbeat
+(engine.serve.heartbeat). A daemon thread looks at the stamp every
 `min(1 s, timeout / 4)`. When a step has run past the timeout it calls `on_hang`
 (the engine process tells every client `EngineDead` from its IO thread, kills its
 decode workers, removes its shared memory and ipc socket, and `os._exit`s non-zero)
@@ -11,7 +11,7 @@ while the main thread is still stuck.
 That needs the GIL. A step stuck in C code that holds the GIL starves every Python
 thread, this one included; for that case the busy loop keeps a backstop armed that
 needs no GIL: `faulthandler.dump_traceback_later(exit=True)`, a C thread that dumps
-every thread's stack to stderr and `_exit(1)`s. `begin` re-arms it for
+every thread's stack to stderr and `_exit(1)`s. `arm` (at each step's start) re-arms it for
 now + timeout + grace when it was armed more than grace / 2 ago (so at most one
 re-arm, one thread start, every few seconds, however short the steps), and `idle`
 disarms it when the loop waits for work; it fires between step start + timeout +
@@ -29,29 +29,28 @@ import time
 import traceback
 from typing import Callable
 
+from engine.serve.heartbeat import LoopHeartbeat
+
 log = logging.getLogger("diffslot.engine")
 
 
 class StepWatchdog(threading.Thread):
-    def __init__(self, timeout_s: float, on_hang: Callable[[str], None], *, grace_s: float | None = None,
-                 backstop: bool = True):
+    def __init__(self, heartbeat: LoopHeartbeat, timeout_s: float, on_hang: Callable[[str], None], *,
+                 grace_s: float | None = None, backstop: bool = True):
         super().__init__(name="diffslot-watchdog", daemon=True)
+        self.heartbeat = heartbeat
         self.timeout_s = float(timeout_s)
         self.grace_s = grace_s if grace_s is not None else max(5.0, self.timeout_s / 4)
         self.on_hang = on_hang
         self.backstop = backstop
         self.interval_s = max(0.05, min(1.0, self.timeout_s / 4))
-        self.step_started: float | None = None  # written by the busy loop only
-        self.step_seq = 0
-        self.longest_step_s = 0.0
         self._stop = threading.Event()
         self._armed_at: float | None = None  # when the busy loop last armed the backstop
 
     # -------------------------------------------------- busy loop side (cheap)
-    def begin(self) -> None:
+    def arm(self) -> None:
+        """A step starts: make sure the backstop would end it if the GIL never comes back."""
         now = time.monotonic()
-        self.step_seq += 1
-        self.step_started = now
         if self.backstop and (self._armed_at is None or now - self._armed_at > self.grace_s / 2):
             faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True, file=sys.stderr)
             self._armed_at = now
@@ -62,13 +61,6 @@ class StepWatchdog(threading.Thread):
             faulthandler.cancel_dump_traceback_later()
             self._armed_at = None
 
-    def end(self) -> None:
-        started, self.step_started = self.step_started, None
-        if started is not None:
-            took = time.monotonic() - started
-            if took > self.longest_step_s:
-                self.longest_step_s = took
-
     # -------------------------------------------------- watchdog thread
     def stop(self) -> None:
         """From the busy loop's thread, at shutdown."""
@@ -78,11 +70,11 @@ class StepWatchdog(threading.Thread):
     def run(self) -> None:
         main_ident = threading.main_thread().ident
         while not self._stop.wait(self.interval_s):
-            started = self.step_started
+            started = self.heartbeat.step_started
             if started is None:
                 continue
             ran = time.monotonic() - started
-            if ran > self.timeout_s and self.step_started == started:
+            if ran > self.timeout_s and self.heartbeat.step_started == started:
                 frame = sys._current_frames().get(main_ident)
                 where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(unknown)"
                 reason = (f"engine step hung: core.step() running for {ran:.1f}s, past the step timeout of "

@@ -2,11 +2,19 @@
 
     POST /v1/images/generations   OpenAI's body + steps, sampler, guidance, seed, negative_prompt
     GET  /v1/models               the engine's model (from its Welcome)
-    GET  /health                  200 when the engine answers, else 503
+    GET  /health                  200 when the engine answers, 503 when it does not or drains
     GET  /metrics                 the gateway's own Prometheus metrics
 
-`create_app(link)` builds it around an `EngineLink`; `python -m frontend http` serves
-it with uvicorn, and `frontend.ray_app` serves the same app from Ray Serve replicas.
+`create_app(link, api_keys=..., max_body_bytes=..., rate_limit=...)` builds it around
+an `EngineLink`; `python -m frontend http` serves it with uvicorn, and
+`frontend.ray_app` serves the same app from Ray Serve replicas. `callers.py` fences
+callers from each other (API keys, rate buckets, the body limit); each caller's
+images are generated on its own engine connection (`EngineLink.lease`). The statuses
+each route answers are in its OpenAPI document (`app.openapi()`).
+
+A 500 never carries internals (exception texts, engine failure reasons): its message
+is generic and names a request id, also sent as `x-request-id`, under which the
+gateway logs the details.
 
 Cancellation: while a request waits for the engine, a watcher reads the ASGI
 `receive` channel; `http.disconnect` (the client went away) cancels the waiting
@@ -21,20 +29,27 @@ import base64
 import contextlib
 import json
 import logging
-from typing import Awaitable
+import uuid
+from typing import Awaitable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected
 from frontend.client import AsyncClient, EngineDeadError
-from frontend.http.errors import APIError, bad_request, engine_unavailable, from_failed, from_rejected
+from frontend.http.callers import (
+    DEFAULT_MAX_BODY_BYTES, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body,
+)
+from frontend.http.errors import APIError, bad_request, engine_unavailable, from_rejected
 from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
 from frontend.http.schemas import (
-    Generation, completed_event, images_response, models_response, parse_generation, partial_image_event,
+    ErrorResponse, Generation, Health, ImageGenerationRequest, ImagesResponse, ModelList, check_fits,
+    completed_event, images_response, models_response, openapi_components, parse_generation, partial_image_event,
+    schema_ref,
 )
 
 log = logging.getLogger("diffslot.http")
@@ -47,18 +62,31 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its engine requests were canceled."""
 
 
+def request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def internal_error(request_id: str, code: str = "internal_error") -> APIError:
+    """A 500 that says nothing of what went wrong, but under which id the log says it."""
+    return APIError(500, f"The server had an error while processing your request (request id {request_id}).",
+                    type="server_error", code=code, headers={"x-request-id": request_id})
+
+
 # --------------------------------------------------------------------------- engine calls
 
 
 def _outcome_error(result, link: EngineLink, metrics: GatewayMetrics) -> APIError:
     """The HTTP error for a request that did not complete."""
     if isinstance(result, Rejected):
+        link.saw_rejection(result)
         error = from_rejected(result)
         metrics.images.labels("busy" if error.status == 429 else "rejected").inc()
         return error
     if isinstance(result, Failed):
         metrics.images.labels("failed").inc()
-        return from_failed(result)
+        rid = request_id()
+        log.error("request %s: the engine failed generation request %s: %s", rid, result.request_id, result.error)
+        return internal_error(rid, "generation_failed")
     if isinstance(result, Canceled):
         metrics.images.labels("canceled").inc()
         return engine_unavailable("the engine canceled the request (shutting down?)")
@@ -127,13 +155,16 @@ def _b64(png: bytes) -> str:
 class ImageStream:
     """One streamed generation: its engine task and the previews it produced so far."""
 
-    def __init__(self, client: AsyncClient, gen: Generation, link: EngineLink, metrics: GatewayMetrics):
+    def __init__(self, client: AsyncClient, gen: Generation, link: EngineLink, metrics: GatewayMetrics,
+                 on_done=None):
         self.gen, self.link, self.metrics = gen, link, metrics
         self.previews: asyncio.Queue = asyncio.Queue()
         kwargs = {}
         if gen.partial_images:
             kwargs = {"partial_images": gen.partial_images, "on_partial_image": self.previews.put_nowait}
         self.task = asyncio.ensure_future(client.generate(gen.params[0], **kwargs))
+        if on_done is not None:  # the engine request is over, however it ended
+            self.task.add_done_callback(lambda _: on_done())
 
     async def next_event(self) -> bytes | APIError | None:
         """The next SSE event's bytes; an APIError if the request failed; None after the last."""
@@ -204,10 +235,37 @@ class EventStreamResponse(Response):
 # --------------------------------------------------------------------------- the app
 
 
-def create_app(link: EngineLink, *, own_link: bool = True) -> FastAPI:
+def _error_responses(*statuses: int) -> dict:
+    descriptions = {
+        400: "A malformed body, or a value the engine cannot take (`param` names it; also a request "
+             "whose images could never fit in a caller's output budget: `n`, `size` or `partial_images`)",
+        401: "A missing or wrong API key (only when the server has API keys)",
+        404: "An unknown model",
+        413: "The request body is larger than the server's limit",
+        429: "This caller's rate limit, or the engine's queue or this caller's share of it is full "
+             "(`Retry-After`)",
+        500: "The engine could not finish the request; details in the server's log under the request id",
+        503: "No engine is reachable, or the engine is draining",
+    }
+    error = {"application/json": {"schema": schema_ref(ErrorResponse)}}
+    return {status: {"description": descriptions[status], "content": error} for status in statuses}
+
+
+def _ok(description: str, content: dict) -> dict:
+    return {200: {"description": description, "content": content}}
+
+
+def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[str] = (),
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rate_limit: float = 0.0,
+               rate_burst: float | None = None) -> FastAPI:
     """The gateway around `link`. With `own_link` the app's lifespan starts connecting it
     (in the background) and closes it at shutdown; a Ray
-    replica that owns its engine passes its own link and own_link=False."""
+    replica that owns its engine passes its own link and own_link=False. `api_keys`:
+    bearer keys, each its own caller (none: every /v1 route is open and each client
+    address is a caller); `max_body_bytes`: the largest request body; `rate_limit`:
+    requests per second per caller (0: no limit), `rate_burst` banked (default: one
+    second's worth, at least 1)."""
+    api_keys = tuple(api_keys)
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
@@ -222,10 +280,29 @@ def create_app(link: EngineLink, *, own_link: bool = True) -> FastAPI:
             if own_link:
                 await link.close()
 
-    app = FastAPI(title="diffslot images API", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="diffslot images API", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.link, app.state.metrics = link, metrics
+    # the gate runs inside the metrics middleware, so that its 401/413/429 are counted
+    app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(rate_limit, rate_burst),
+                       max_body_bytes=max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description="OpenAI's images API, served by a diffslot engine")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            if api_keys:
+                schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                for path, operations in schema["paths"].items():
+                    if path.startswith("/v1"):
+                        for operation in operations.values():
+                            operation["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -235,6 +312,10 @@ def create_app(link: EngineLink, *, own_link: bool = True) -> FastAPI:
     async def client_gone(request: Request, exc: ClientGone) -> Response:
         metrics.images.labels("client_gone").inc()
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it; the metrics do
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone_mid_body(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nothing was submitted
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -247,17 +328,28 @@ def create_app(link: EngineLink, *, own_link: bool = True) -> FastAPI:
         return bad_request(str(exc)).response()
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {exc!r}", type="server_error", code="internal_error").response()
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        rid = request_id()
+        log.exception("request %s: unhandled error on %s %s", rid, request.method, request.url.path)
+        return internal_error(rid).response()
 
-    @app.post("/v1/images/generations")
+    body_doc = {"requestBody": {"required": True,
+                                "content": {"application/json": {"schema": schema_ref(ImageGenerationRequest)}}}}
+    images_ok = _ok("The images (or, with `stream`, server-sent image events)",
+                    {"application/json": {"schema": schema_ref(ImagesResponse)},
+                     "text/event-stream": {"schema": {"type": "string"}}})
+
+    @app.post("/v1/images/generations", openapi_extra=body_doc,
+              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def generations(request: Request) -> Response:
-        body = await request.body()
-        client = await link.client()
+        body = await read_body(request, max_body_bytes)
+        await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
         gen = parse_generation(body, link.models)
+        welcome = link.welcome
+        check_fits(gen, welcome.output_budget_bytes, welcome.native_size)
+        lease = await link.lease(caller_of(request.scope))
         if gen.stream:
-            stream = ImageStream(client, gen, link, metrics)
+            stream = ImageStream(lease.client, gen, link, metrics, on_done=lease.release)
             try:
                 first = await until_disconnect(request, stream.next_event())
             except BaseException:
@@ -266,26 +358,35 @@ def create_app(link: EngineLink, *, own_link: bool = True) -> FastAPI:
             if isinstance(first, APIError):  # nothing sent yet: a plain HTTP error
                 raise first
             return EventStreamResponse(stream, first)
-        results = await until_disconnect(request, generate_all(client, gen.params, link, metrics))
+        try:
+            results = await until_disconnect(request, generate_all(lease.client, gen.params, link, metrics))
+        finally:
+            lease.release()
         images = [(_b64(r.output), p.seed, r.timings) for r, p in zip(results, gen.params)]
         return Response(images_response(images, gen.size), media_type=JSON)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={**_ok("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
+                                      **_error_responses(401, 429, 503)})
     async def models() -> Response:
         await link.client()
         return Response(models_response(link.models[:1], link.created), media_type=JSON)
 
-    @app.get("/health")
+    @app.get("/health", responses={**_ok("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
+                                   **_error_responses(503)})
     async def health() -> Response:
         try:
             await link.client()
         except APIError as exc:
             return exc.response()
+        if await link.draining():
+            return APIError(503, "the diffslot engine is draining (shutting down): send new requests elsewhere",
+                            type="service_unavailable", code="engine_draining").response()
         welcome = link.welcome
         return Response(json.dumps({"status": "ok", "engine_pid": welcome.engine_pid, "model": link.models[0]}),
                         media_type=JSON)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_ok("The gateway's Prometheus metrics",
+                                       {"text/plain": {"schema": {"type": "string"}}}))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 

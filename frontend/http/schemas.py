@@ -6,49 +6,74 @@ engine's knobs as extra fields (`steps`, `sampler`, `guidance`, `seed`,
 `negative_prompt`), which the `openai` package sends through `extra_body`.
 `parse_generation` decodes and checks it and turns it into the engine's
 `GenerateParams`, one per image; anything wrong is a 400 naming the parameter.
+`check_fits` refuses, with a 400 naming `n`, `size` or `partial_images`, a request
+whose images could never fit in one caller's output budget on the engine (a 429
+would tell the client to retry something that can never succeed).
+
+The field annotations (descriptions, ranges, patterns, examples) only document the
+body in the OpenAPI schema (`openapi_components`); they do not change decoding, so
+a bad value is still the gateway's own 400 naming the parameter, as OpenAI answers.
 """
 from __future__ import annotations
 
 import re
 import secrets
 import time
+from typing import Annotated
 
 import msgspec
 
-from engine.protocol import GenerateParams, Timings
+from engine.protocol import SAMPLERS, GenerateParams, Timings, output_nbytes
 from frontend.http.errors import APIError, bad_request
 
 MAX_N = 10  # OpenAI's own limit on `n`
 MAX_PARTIAL_IMAGES = 3
+SEED_LIMIT = 2**63  # the engine's seeds are in [0, 2**63)
+INT64 = 2**63  # integers travel to the engine as msgpack int64: larger ones cannot be sent at all
+SIZE_PATTERN = r"^\s*\d{1,5}\s*[xX×]\s*\d{1,5}\s*$|^auto$"
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
 _DECODE_PATH = re.compile(r"at `\$\.(\w+)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
 _MISSING_FIELD = re.compile(r"missing required field `(\w+)`")
 
 
+def _doc(description: str, **schema) -> msgspec.Meta:
+    """Documentation for the OpenAPI schema only (see the module docstring)."""
+    examples = schema.pop("examples", None)
+    return msgspec.Meta(description=description, examples=examples, extra_json_schema=schema or None)
+
+
 class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    prompt: str
-    model: str | None = None
-    n: int | None = None
-    size: str | None = None
-    response_format: str | None = None
-    output_format: str | None = None
-    stream: bool | None = None
-    partial_images: int | None = None
+    prompt: Annotated[str, _doc("The text to draw (a class name for class-conditional models).",
+                                examples=["a red circle"])]
+    model: Annotated[str | None, _doc("The served model's id (GET /v1/models; 'diffslot' always names it); "
+                                      "absent: that model.", examples=["diffslot"])] = None
+    n: Annotated[int | None, _doc("Images to generate, with seeds seed … seed+n−1.", minimum=1, maximum=MAX_N)] \
+        = None
+    size: Annotated[str | None, _doc("'WIDTHxHEIGHT' or 'auto' (the model's native size).", pattern=SIZE_PATTERN,
+                                     examples=["32x32", "auto"])] = None
+    response_format: Annotated[str | None, _doc("Only 'b64_json'.", enum=["b64_json"])] = None
+    output_format: Annotated[str | None, _doc("Only 'png'.", enum=["png"])] = None
+    stream: Annotated[bool | None, _doc("Server-sent image events (n must be 1).")] = None
+    partial_images: Annotated[int | None, _doc("Previews to stream before the image (with stream).", minimum=0,
+                                               maximum=MAX_PARTIAL_IMAGES)] = None
     # accepted for compatibility with OpenAI clients; they do not change the image
     quality: str | None = None
     style: str | None = None
-    background: str | None = None
+    background: Annotated[str | None, _doc("'auto' or 'opaque'.", enum=["auto", "opaque"])] = None
     moderation: str | None = None
     output_compression: int | None = None
     user: str | None = None
     safety_identifier: str | None = None
     # the engine's knobs (None: the engine's default; seed None: a fresh random seed)
-    steps: int | None = None
-    sampler: str | None = None
-    guidance: float | None = None
-    seed: int | None = None
-    negative_prompt: str | None = None
+    steps: Annotated[int | None, _doc("Denoising steps (the engine's maximum applies).", minimum=1,
+                                      examples=[20])] = None
+    sampler: Annotated[str | None, _doc("The sampler.", enum=list(SAMPLERS))] = None
+    guidance: Annotated[float | None, _doc("Classifier-free guidance scale (the engine's maximum applies).",
+                                           minimum=0, examples=[3.0])] = None
+    seed: Annotated[int | None, _doc("The first image's seed; absent: a random one.", minimum=0,
+                                     maximum=SEED_LIMIT - 1)] = None
+    negative_prompt: Annotated[str | None, _doc("Conditions the unconditional branch of guidance.")] = None
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -127,6 +152,15 @@ def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
     if stream and n != 1:
         raise bad_request("Streaming supports one image per request ('n': 1).", "n", "unsupported_value")
     height, width = parse_size(req.size)
+    for name in ("steps", "output_compression"):
+        value = getattr(req, name)
+        if value is not None and not -INT64 <= value < INT64:
+            raise bad_request(f"Invalid value for '{name}': {value} is out of range.", name)
+    if req.seed is not None and not (0 <= req.seed and req.seed + n - 1 < SEED_LIMIT):
+        # checked for every image before any is submitted, so that no image of a refused
+        # request ever reaches the engine
+        what = "seed" if n == 1 else f"seed … seed+{n - 1} (one seed per image)"
+        raise bad_request(f"Invalid value for 'seed': {what} must lie in [0, 2**63).", "seed")
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     knobs = {name: value for name, value in (("steps", req.steps), ("sampler", req.sampler),
                                              ("guidance", req.guidance), ("negative_prompt", req.negative_prompt))
@@ -139,6 +173,37 @@ def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
     size = "auto" if height is None else f"{width}x{height}"
     return Generation(model=req.model or served_models[0], params=params, size=size, stream=stream,
                       partial_images=partial)
+
+
+def image_bytes(params: GenerateParams, native_size: int) -> int:
+    """The engine's reservation for one PNG of this request (engine.protocol.output_nbytes)."""
+    height, width = params.height or native_size, params.width or native_size
+    return output_nbytes("png", height, width, ())
+
+
+def check_fits(gen: Generation, budget_bytes: int, native_size: int) -> None:
+    """400 naming the parameter when the request's images (and previews, which are
+    full-size PNGs) can never be held at once within one caller's output budget on the
+    engine (`Welcome.output_budget_bytes`), however idle the engine is."""
+    if budget_bytes <= 0 or native_size <= 0:  # an engine that does not say: it decides
+        return
+    params = gen.params[0]
+    one = image_bytes(params, native_size)
+    size = f"{params.width or native_size}x{params.height or native_size}"
+    limit = f"the {budget_bytes} bytes of output one caller may hold on the engine"
+    if one > budget_bytes:
+        raise bad_request(f"Invalid value for 'size': one {size} image needs up to {one} bytes, more than {limit}; "
+                          f"ask for a smaller size.", "size")
+    with_previews = one * (1 + gen.partial_images)
+    if with_previews > budget_bytes:
+        fits = budget_bytes // one - 1
+        raise bad_request(f"Invalid value for 'partial_images': a {size} image and {gen.partial_images} previews "
+                          f"need up to {with_previews} bytes, more than {limit}; at most {fits} previews fit at "
+                          f"this size.", "partial_images")
+    total = one * len(gen.params)
+    if total > budget_bytes:
+        raise bad_request(f"Invalid value for 'n': {len(gen.params)} images of {size} need up to {total} bytes at "
+                          f"once, more than {limit}; at most {budget_bytes // one} fit at this size.", "n")
 
 
 # ----------------------------------------------------------------------------- responses
@@ -191,3 +256,67 @@ def sse(event: str, data: dict) -> bytes:
 def models_response(models: tuple[str, ...], created: int) -> bytes:
     return _encoder.encode({"object": "list", "data": [
         {"id": m, "object": "model", "created": created, "owned_by": "diffslot"} for m in models]})
+
+
+# ----------------------------------------------------------------------------- the OpenAPI schema
+# Structs of the responses, for the schema only: the responses themselves are encoded
+# from dicts above (the same fields).
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every non-200 answer: OpenAI's error shape."""
+
+    error: ErrorBody
+
+
+class ImageData(msgspec.Struct):
+    b64_json: str
+    seed: int
+
+
+class ImagesResponse(msgspec.Struct):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    background: str
+    size: str
+    timings: list[dict]
+
+
+class Model(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[Model]
+
+
+class Health(msgspec.Struct):
+    status: str
+    engine_pid: int
+    model: str
+
+
+SCHEMA_REF = "#/components/schemas/{name}"
+
+
+def openapi_components() -> dict[str, dict]:
+    """`components.schemas` of the gateway's OpenAPI document."""
+    _, components = msgspec.json.schema_components(
+        [ImageGenerationRequest, ErrorResponse, ImagesResponse, ModelList, Health], ref_template=SCHEMA_REF)
+    return components
+
+
+def schema_ref(struct: type) -> dict:
+    return {"$ref": SCHEMA_REF.format(name=struct.__name__)}

@@ -1,0 +1,577 @@
+"""The adapter pool: diffusers-format LoRA files in a folder, resident on the model's
+device up to a byte budget, each in one pool slot that every wrapped layer indexes.
+
+* Adapters: every `NAME.safetensors` file in `lora_dir`, and every folder `NAME/` holding
+  `pytorch_lora_weights.safetensors` (as `save_lora_weights` writes). `names()` rescans,
+  so new files are found without a restart.
+* Reading a file is diffusers' own: the pipeline class's `lora_state_dict` (kohya / A1111
+  keys converted as `load_lora_weights` converts them), then the steps of
+  `PeftAdapterMixin.load_lora_adapter` (denoiser) and `_load_lora_into_text_encoder`
+  (text encoders): prefix, conversion to peft keys, the rank dict and `_create_lora_config`.
+  Each module's scaling is peft's: `lora_alpha / r` (rslora: `/ sqrt(r)`), r and alpha
+  from the config's rank and alpha patterns matched by peft's own `get_pattern_key`.
+  What peft would load but this pool cannot serve (DoRA, LoRA biases, LoKr, embedding
+  LoRA, grouped convs, a module the model lacks, shapes that do not fit) is refused by
+  `check` with the reason.
+* Residency: `acquire(names)` makes the adapters resident (loading what is not), evicting
+  least-recently-used adapters that nothing references, and adds one reference each; it
+  returns None, evicting nothing, when they cannot all be resident now (the rest is
+  referenced). `release(slots)` drops the references (after the slot's fence, R5).
+* Text-encoder LoRA: the text encoders' layers are wrapped too and read their rows from
+  `text_rows`; `encode(prompts, loras)` runs the model's own `encode` with each prompt's
+  adapters bound, and `text_encoder_key(loras)` is what the embedding cache key must add.
+
+Thread safety: one lock around the pool's bookkeeping; `encode` holds its own lock while
+its rows are bound (the denoiser's rows are a separate `AdapterRows`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import os
+import pathlib
+import threading
+from typing import Mapping, Sequence
+
+import torch
+
+from engine.lora.kernel import rank_block
+from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, LoraConv2d, unwrap_layers, wrap_layers
+
+#: The file `save_lora_weights` writes into a folder.
+FOLDER_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+#: Scales beyond this are refused: far outside what any adapter is trained for, and a
+#: likely typo (an adapter at 100 turns the image to noise).
+MAX_SCALE = 16.0
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served (the reason is the message)."""
+
+
+@dataclasses.dataclass
+class _Factors:
+    """One targeted module of one adapter: its low-rank factors and peft's scaling."""
+
+    component: str
+    module: str
+    A: torch.Tensor  # rank × in (conv: rank × in × kh × kw)
+    B: torch.Tensor  # out × rank
+    scaling: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Adapter:
+    name: str
+    path: pathlib.Path  # the safetensors file
+    signature: tuple  # (mtime_ns, size) of the file when it was read
+    reason: str | None = None  # why it cannot be served; None: it can
+    nbytes: int = 0  # on the device, in the layers' dtypes
+    components: tuple[str, ...] = ()  # which components it targets
+    targets: int = 0  # modules it targets
+    max_rank: int = 0
+    slot: int | None = None  # resident in this slot
+    refcount: int = 0
+    last_used: int = 0
+    layers: list = dataclasses.field(default_factory=list)  # the wrapped layers holding its factors
+
+    @property
+    def text_encoder(self) -> bool:
+        return any(c.startswith("text_encoder") for c in self.components)
+
+
+def _file_signature(path: pathlib.Path) -> tuple:
+    st = path.stat()
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _strip(mapping, prefix: str):
+    if mapping is None:
+        return None
+    return {k.removeprefix(f"{prefix}."): v for k, v in mapping.items() if k.startswith(f"{prefix}.")}
+
+
+def _layout_key(layer) -> tuple:
+    rank = layer.weights.max_rank
+    return (rank > 0, rank_block(rank) if rank else 0)
+
+
+class AdapterPool:
+    """LoRA adapters of `lora_dir` for `model` (a pipeline model of `engine.models.loading`)."""
+
+    def __init__(self, model, lora_dir: str | os.PathLike, budget_bytes: int, max_per_request: int = 4,
+                 max_resident: int = 64, max_scale: float = MAX_SCALE, install: bool = True):
+        pipe = getattr(model, "pipe", None)
+        if pipe is None or not hasattr(type(pipe), "lora_state_dict"):
+            raise AdapterError(f"{getattr(model, 'pipeline_class', type(model).__name__)} has no LoRA loader "
+                               "in diffusers: adapters cannot be served for it")
+        if max_per_request < 1 or max_resident < max_per_request:
+            raise ValueError(f"max_resident ({max_resident}) must be ≥ max_per_request ({max_per_request}) ≥ 1")
+        self.model, self.pipe, self.loader = model, pipe, type(pipe)
+        self.lora_dir = pathlib.Path(lora_dir)
+        self.budget_bytes, self.max_per_request = int(budget_bytes), int(max_per_request)
+        self.max_resident, self.max_scale = int(max_resident), float(max_scale)
+        # the components diffusers loads LoRA into, as the pipeline lists them (denoiser first)
+        self.components = {name: getattr(pipe, name) for name in self.loader._lora_loadable_modules
+                           if isinstance(getattr(pipe, name, None), torch.nn.Module)}
+        self.denoiser_name = next(n for n in self.components if not n.startswith("text_encoder"))
+        self.rows = AdapterRows()  # the denoiser's: bound by DiffusionModel.run
+        self.text_rows = AdapterRows()  # the text encoders': bound by `encode`
+        self._adapters: dict[str, _Adapter] = {}
+        self._free_slots = list(range(self.max_resident))  # a heap: the lowest free slot first
+        self._by_slot: dict[int, _Adapter] = {}
+        self._lock = threading.RLock()
+        self._encode_lock = threading.Lock()
+        self._tick = 0
+        self._layers: dict[str, dict] = {}
+        self.loads = self.evictions = self.hits = self.misses = 0
+        #: bumped whenever a layer starts or stops having adapters or its kernel rank block
+        #: changes: what a captured CUDA graph of the denoiser depends on (recapture then)
+        self.layout_version = 0
+        self.installed = False
+        if install:
+            self.install()
+        self.names()
+
+    # ---- wiring -------------------------------------------------------------------------------
+
+    def install(self) -> "AdapterPool":
+        """Wrap the denoiser's (and text encoders') Linear and Conv2d layers once, and point
+        `model.adapter_rows` at the pool's rows (what `DiffusionModel.run` binds)."""
+        with self._lock:
+            if not self.installed:
+                for name, module in self.components.items():
+                    if any(isinstance(m, LORA_LAYER_TYPES) for m in module.modules()):
+                        raise RuntimeError(f"{name} already has LoRA layers of another pool: one pool per model "
+                                           "(its slots index every wrapped layer)")
+                    rows = self.rows if name == self.denoiser_name else self.text_rows
+                    self._layers[name] = wrap_layers(module, self.max_resident, rows)
+                self.installed = True
+            self.model.adapter_rows = self.rows
+        return self
+
+    def uninstall(self) -> None:
+        """Put the base layers back and detach the rows (every adapter is dropped)."""
+        with self._lock:
+            if any(a.refcount for a in self._adapters.values()):
+                raise RuntimeError("adapters are still referenced")
+            for adapter in list(self._by_slot.values()):
+                self._evict(adapter)
+            for module in self.components.values():
+                unwrap_layers(module)
+            self._layers.clear()
+            self.installed = False
+            if getattr(self.model, "adapter_rows", None) is self.rows:
+                self.model.adapter_rows = None
+
+    # ---- the folder ---------------------------------------------------------------------------
+
+    def _scan(self) -> set[str]:
+        """The names the folder offers now: `NAME.safetensors` files and `NAME/` folders
+        holding `pytorch_lora_weights.safetensors` (hidden entries skipped: partial copies)."""
+        found = set()
+        try:
+            entries = list(os.scandir(self.lora_dir))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir() and os.path.isfile(os.path.join(entry.path, FOLDER_WEIGHTS)):
+                found.add(entry.name)
+            elif entry.is_file() and entry.name.endswith(".safetensors"):
+                found.add(entry.name.removesuffix(".safetensors"))
+        return found
+
+    def names(self) -> list[str]:
+        """The adapters in the folder now (rescanned on every call; read when first checked)."""
+        with self._lock:
+            found = self._scan()
+            for name in [n for n, a in self._adapters.items() if n not in found and a.slot is None]:
+                del self._adapters[name]  # gone from the folder and not resident
+            return sorted(found)
+
+    def _locate(self, name: str) -> pathlib.Path | str | None:
+        """The adapter's file, why the name is ambiguous, or None. Only plain names: a
+        request's name never reaches outside the folder."""
+        if not name or name.startswith(".") or any(c in name for c in "/\\\0") or name != name.strip():
+            return None
+        file, folder = self.lora_dir / f"{name}.safetensors", self.lora_dir / name / FOLDER_WEIGHTS
+        in_file, in_folder = file.is_file(), folder.is_file()
+        if in_file and in_folder:
+            return f"ambiguous: both {name}.safetensors and {name}/ are in {self.lora_dir}"
+        return file if in_file else folder if in_folder else None
+
+    def _record(self, name: str) -> _Adapter | None:
+        """The adapter's record, its file read again if it changed. A resident adapter whose
+        file moved, changed or vanished keeps serving its resident copy while referenced."""
+        adapter = self._adapters.get(name)
+        where = self._locate(name)
+        if adapter is not None and adapter.refcount > 0 and (where is None or isinstance(where, str)
+                                                             or where != adapter.path):
+            return adapter
+        if where is None or isinstance(where, str):
+            if adapter is not None:
+                self._evict(adapter)
+                self._adapters.pop(name, None)
+            if where is None:
+                return None
+            adapter = self._adapters[name] = _Adapter(name, self.lora_dir / name, (), reason=where)
+            return adapter
+        if adapter is None or adapter.path != where:
+            if adapter is not None:
+                self._evict(adapter)
+            adapter = self._adapters[name] = _Adapter(name, where, ())
+        try:
+            signature = _file_signature(where)
+        except FileNotFoundError:
+            return None
+        if signature != adapter.signature and adapter.refcount == 0:
+            self._evict(adapter)  # a stale copy of an edited file
+            self._validate(adapter, signature)
+        return adapter
+
+    def _validate(self, adapter: _Adapter, signature: tuple) -> None:
+        adapter.signature, adapter.reason = signature, None
+        try:
+            factors = self._read(adapter.path)
+        except AdapterError as exc:
+            adapter.reason = str(exc)
+            return
+        except Exception as exc:  # a corrupt or foreign file: refused, never raised into the engine
+            adapter.reason = f"cannot be read as a diffusers LoRA file: {type(exc).__name__}: {exc}"
+            return
+        adapter.nbytes = sum(self._device_bytes(f) for f in factors)
+        adapter.components = tuple(sorted({f.component for f in factors}, key=list(self.components).index))
+        adapter.targets = len(factors)
+        adapter.max_rank = max(int(f.A.shape[0]) for f in factors)
+
+    def _device_bytes(self, f: _Factors) -> int:
+        layer = self._layers[f.component][f.module]
+        size = torch.empty((), dtype=layer.weights.dtype).element_size()
+        return (f.A.numel() + f.B.numel()) * size
+
+    # ---- reading a file (diffusers' own steps) -------------------------------------------------
+
+    def _read(self, path: pathlib.Path) -> list[_Factors]:
+        kwargs = dict(weight_name=path.name, use_safetensors=True, local_files_only=True, return_lora_metadata=True)
+        if self.denoiser_name == "unet":
+            kwargs["unet_config"] = self.components["unet"].config  # SDXL maps kohya's SGM blocks with it
+        # FLUX's loader returns alphas only when asked; the others ignore the keyword
+        kwargs["return_alphas"] = True
+        read = self.loader.lora_state_dict(str(path.parent), **kwargs)
+        # (state dict, network alphas, metadata) for SD / SDXL / FLUX, (state dict, metadata) for SD3
+        state_dict, network_alphas, metadata = read if len(read) == 3 else (read[0], None, read[1])
+        if not all("lora" in key for key in state_dict):
+            raise AdapterError("not a LoRA checkpoint (keys without 'lora', as load_lora_weights refuses)")
+        factors: list[_Factors] = []
+        for component in self.components:
+            factors += self._component_factors(component, state_dict, network_alphas, metadata)
+        known_prefixes = tuple(f"{c}." for c in self.components)
+        stray = sorted({k.split(".")[0] for k in state_dict if not k.startswith(known_prefixes)})
+        if stray:
+            raise AdapterError(f"holds weights for {', '.join(stray)}, which this "
+                               f"{self.model.pipeline_class} does not have (it has {', '.join(self.components)})")
+        if not factors:
+            raise AdapterError("targets no layer of this model")
+        return factors
+
+    def _component_factors(self, component: str, state_dict, network_alphas, metadata) -> list[_Factors]:
+        from diffusers.utils.peft_utils import _create_lora_config
+
+        module = self.components[component]
+        sd = _strip(state_dict, component)
+        if not sd:
+            return []
+        # metadata for another component only: derive this one's config from its weights
+        # (diffusers would build a default LoraConfig from {} and fail on the ranks)
+        meta = _strip(metadata, component) or None
+        if any(".lokr_" in k for k in sd):
+            raise AdapterError(f"{component}: a LoKr adapter, not LoRA")
+        if component.startswith("text_encoder"):  # as diffusers' _load_lora_into_text_encoder
+            from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+
+            sd = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))
+            if not hasattr(module, "text_model"):
+                sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+            rank = {}
+            for name, _ in module.named_modules():
+                if name.endswith((".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")):
+                    key = f"{name}.lora_B.weight"
+                    if key in sd:
+                        rank[key] = sd[key].shape[1]
+            alphas = None if network_alphas is None else {
+                k.removeprefix(f"{component}."): v for k, v in network_alphas.items()
+                if k.startswith(component) and k.split(".")[0] == component}
+            is_unet = False
+        else:  # as PeftAdapterMixin.load_lora_adapter
+            from diffusers.utils import convert_unet_state_dict_to_peft
+
+            if "lora_A" not in next(iter(sd)):
+                sd = convert_unet_state_dict_to_peft(sd)
+            if "lora_controlnet" in sd:
+                raise AdapterError(f"{component}: a control LoRA (it replaces layers), not served")
+            rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k and v.ndim > 1}
+            alphas = _strip(network_alphas, component) if network_alphas else network_alphas
+            is_unet = True
+        if network_alphas and meta:
+            raise AdapterError("has both network alphas and adapter metadata (diffusers refuses it)")
+        if not rank:
+            raise AdapterError(f"{component}: no lora_B weights of a layer diffusers loads LoRA into")
+        config = _create_lora_config(sd, alphas, meta, rank, is_unet=is_unet,
+                                     model_state_dict=None if not is_unet else module.state_dict())
+        return self._factors_of(component, module, sd, config)
+
+    def _factors_of(self, component: str, module: torch.nn.Module, sd: dict, config) -> list[_Factors]:
+        from peft.utils.other import get_pattern_key
+
+        if config.use_dora:
+            raise AdapterError(f"{component}: a DoRA adapter (magnitude vectors): not served")
+        if getattr(config, "lora_bias", False):
+            raise AdapterError(f"{component}: a LoRA with lora_B biases: not served")
+        layers = self._layers[component]
+        targets: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in sd.items():
+            target, sep, rest = key.partition(".lora_")
+            if not sep or rest not in ("A.weight", "B.weight"):
+                raise AdapterError(f"{component}: weight {key!r} is not a LoRA A/B matrix (only plain LoRA "
+                                   "on Linear and Conv2d layers is served)")
+            targets.setdefault(target, {})[rest[0]] = value
+        out = []
+        for target, ab in sorted(targets.items()):
+            if set(ab) != {"A", "B"}:
+                raise AdapterError(f"{component}: {target} has lora_{'A' if 'A' in ab else 'B'} only")
+            layer = layers.get(target)
+            if layer is None:
+                try:
+                    found = module.get_submodule(target)
+                except AttributeError:
+                    raise AdapterError(f"targets {component} module {target!r}, which this model lacks") from None
+                raise AdapterError(f"targets {component}.{target}, a {type(found).__name__}: LoRA is served on "
+                                   "Linear and (ungrouped) Conv2d layers only")
+            A, B = ab["A"], ab["B"]
+            r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
+            alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
+            w = layer.weights
+            if isinstance(layer, LoraConv2d):
+                want_a, want_b = (r, w.in_features, *w.kernel_size), (w.out_features, r, 1, 1)
+            else:
+                want_a, want_b = (r, w.in_features), (w.out_features, r)
+            if tuple(A.shape) != want_a or tuple(B.shape) != want_b:
+                raise AdapterError(f"{component}.{target}: LoRA shapes A {tuple(A.shape)} B {tuple(B.shape)} do not "
+                                   f"fit the layer (rank {r}: A {want_a}, B {want_b})")
+            scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+            out.append(_Factors(component, target, A, B.reshape(B.shape[0], r), float(scaling)))
+        return out
+
+    # ---- the interface the core uses ------------------------------------------------------------
+
+    def check(self, loras) -> str | None:
+        """Why these adapters cannot be served (the field is `loras`), or None."""
+        if not isinstance(loras, Mapping):
+            return "loras must map adapter names to scales"
+        if len(loras) > self.max_per_request:
+            return f"{len(loras)} adapters requested; at most {self.max_per_request} per request"
+        total = 0
+        with self._lock:
+            for name, scale in loras.items():
+                if not isinstance(name, str):
+                    return f"adapter names are strings, not {type(name).__name__}"
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                    return f"scale of {name!r} must be a number, not {type(scale).__name__}"
+                if not math.isfinite(scale) or abs(scale) > self.max_scale:
+                    return f"scale of {name!r} is {scale}; it must be finite and within ±{self.max_scale:g}"
+                adapter = self._record(name)
+                if adapter is None:
+                    known = self.names()
+                    listed = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
+                    return f"unknown adapter {name!r}" + (f"; known: {listed}" if known else
+                                                          f"; {self.lora_dir} holds none")
+                if adapter.reason is not None:
+                    return f"adapter {name!r}: {adapter.reason}"
+                total += adapter.nbytes
+            if total > self.budget_bytes:
+                return (f"adapters {', '.join(map(repr, loras))} need {total} bytes on the device; the adapter "
+                        f"pool holds {self.budget_bytes}")
+        return None
+
+    def nbytes(self, names: Sequence[str]) -> int:
+        """Device bytes of these adapters when resident (what the ledger counts)."""
+        with self._lock:
+            total = 0
+            for name in names:
+                adapter = self._record(name)
+                if adapter is None or adapter.reason is not None:
+                    raise AdapterError(f"adapter {name!r}: " + (adapter.reason if adapter else "unknown"))
+                total += adapter.nbytes
+            return total
+
+    def acquire(self, names: Sequence[str]) -> list[int] | None:
+        """Make the adapters resident and reference each once; their slots, in order. None
+        (nothing evicted, nothing referenced) when they cannot all be resident now."""
+        names = list(dict.fromkeys(names))
+        with self._lock:
+            adapters = []
+            for name in names:
+                adapter = self._record(name)
+                if adapter is None or adapter.reason is not None:
+                    raise AdapterError(f"adapter {name!r}: " + (adapter.reason if adapter else "unknown"))
+                adapters.append(adapter)
+            missing = [a for a in adapters if a.slot is None]
+            need = sum(a.nbytes for a in missing)
+            evictable = sorted((a for a in self._by_slot.values() if a.refcount == 0 and a not in adapters),
+                               key=lambda a: a.last_used)
+            resident = self.resident_bytes
+            free_slots = len(self._free_slots)
+            victims = []
+            for victim in evictable:
+                if resident + need <= self.budget_bytes and free_slots >= len(missing):
+                    break
+                victims.append(victim)
+                resident -= victim.nbytes
+                free_slots += 1
+            if resident + need > self.budget_bytes or free_slots < len(missing):
+                return None  # the rest is referenced: wait for releases (evict nothing now)
+            for victim in victims:
+                self._evict(victim)
+            loaded = []
+            try:
+                for adapter in missing:
+                    self._load(adapter)
+                    loaded.append(adapter)
+            except Exception:
+                for adapter in loaded:
+                    self._evict(adapter)
+                raise
+            self._tick += 1
+            for adapter in adapters:
+                if adapter in missing:
+                    self.misses += 1
+                else:
+                    self.hits += 1
+                adapter.refcount += 1
+                adapter.last_used = self._tick
+            return [a.slot for a in adapters]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Drop one reference per slot (after the fence of the last call that used them)."""
+        with self._lock:
+            for slot in slots:
+                adapter = self._by_slot.get(int(slot))
+                if adapter is None or adapter.refcount <= 0:
+                    raise ValueError(f"adapter slot {slot} is not referenced")
+                adapter.refcount -= 1
+
+    def row_inputs(self, slots: Sequence[int], scales: Sequence[float], rows: int = 2) -> dict[str, torch.Tensor]:
+        """A request's `lora_index` / `lora_scale` (rows × max_per_request, padded with -1 / 0):
+        the same adapters on both guidance branches, as the pipeline's patched UNet applies them."""
+        if len(slots) != len(scales) or len(slots) > self.max_per_request:
+            raise ValueError(f"{len(slots)} slots, {len(scales)} scales; at most {self.max_per_request}")
+        index = torch.full((rows, self.max_per_request), -1, dtype=torch.int32)
+        scale = torch.zeros((rows, self.max_per_request), dtype=torch.float32)
+        index[:, :len(slots)] = torch.tensor(list(slots), dtype=torch.int32)
+        scale[:, :len(slots)] = torch.tensor([float(s) for s in scales], dtype=torch.float32)
+        device = self.model.device
+        return {"lora_index": index.to(device), "lora_scale": scale.to(device)}
+
+    def slot_of(self, name: str) -> int | None:
+        adapter = self._adapters.get(name)
+        return None if adapter is None else adapter.slot
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(a.nbytes for a in self._by_slot.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            asked = self.hits + self.misses
+            return dict(loads=self.loads, evictions=self.evictions, resident=len(self._by_slot),
+                        resident_bytes=self.resident_bytes, budget_bytes=self.budget_bytes,
+                        referenced=sum(1 for a in self._by_slot.values() if a.refcount), hits=self.hits,
+                        misses=self.misses, hit_rate=self.hits / asked if asked else 0.0)
+
+    # ---- text encoders ------------------------------------------------------------------------
+
+    def has_text_encoder(self, name: str) -> bool:
+        adapter = self._adapters.get(name)
+        return adapter is not None and adapter.text_encoder
+
+    def text_encoder_key(self, loras: Mapping[str, float] | None) -> tuple:
+        """What the embedding cache key must add for a request's adapters: the ones with
+        text-encoder weights and their scales (() when none: the plain prompt's embedding)."""
+        if not loras:
+            return ()
+        with self._lock:
+            return tuple(sorted((name, float(scale)) for name, scale in loras.items()
+                                if self._record(name) is not None and self._adapters[name].text_encoder))
+
+    def encode(self, prompts: Sequence[str], loras: Sequence[Mapping[str, float] | None]):
+        """`model.encode(prompts)`, each prompt's embedding made with its request's
+        text-encoder adapters (acquired by the caller: resident and referenced). Prompts are
+        encoded in one batch per distinct set of text-encoder adapters, that set bound to
+        every row of the batch (so a model that encodes a subset, e.g. SDXL's zero rows for
+        an absent negative prompt, still lines up)."""
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, {len(loras)} adapter sets")
+        by_key: dict[tuple, list[int]] = {}
+        for i, chosen in enumerate(loras):
+            by_key.setdefault(self.text_encoder_key(chosen), []).append(i)
+        out = [None] * len(prompts)
+        with self._encode_lock:
+            for key, members in by_key.items():
+                if key:
+                    with self._lock:
+                        slots = []
+                        for name, _ in key:
+                            adapter = self._adapters.get(name)
+                            if adapter is None or adapter.slot is None or adapter.refcount == 0:
+                                raise AdapterError(f"adapter {name!r} must be acquired before encoding with it")
+                            slots.append(adapter.slot)
+                    text_encoder = next(m for n, m in self.components.items() if n != self.denoiser_name)
+                    self.text_rows.bind_uniform(slots, [scale for _, scale in key],
+                                                next(text_encoder.parameters()).device)
+                try:
+                    for i, embedding in zip(members, self.model.encode([prompts[i] for i in members])):
+                        out[i] = embedding
+                finally:
+                    self.text_rows.clear()
+        return out
+
+    # ---- residency ----------------------------------------------------------------------------
+
+    def _load(self, adapter: _Adapter) -> None:
+        factors = self._read(adapter.path)
+        slot = heapq.heappop(self._free_slots)  # lowest first: the reference's stacks stay compact
+        adapter.slot, adapter.layers = slot, []
+        self._by_slot[slot] = adapter
+        try:
+            for f in factors:
+                layer = self._layers[f.component][f.module]
+                before = _layout_key(layer)
+                layer.weights.put(slot, f.A, f.B, f.scaling)
+                adapter.layers.append(layer)
+                self.layout_version += before != _layout_key(layer)
+        except Exception:
+            self._evict(adapter)
+            raise
+        adapter.nbytes = sum(layer.weights.A[slot].numel() * layer.weights.A[slot].element_size()
+                             + layer.weights.B[slot].numel() * layer.weights.B[slot].element_size()
+                             for layer in adapter.layers)
+        self.loads += 1
+
+    def _evict(self, adapter: _Adapter) -> None:
+        if adapter.slot is None:
+            return
+        for layer in adapter.layers:
+            before = _layout_key(layer)
+            layer.weights.clear(adapter.slot)
+            self.layout_version += before != _layout_key(layer)
+        self._by_slot.pop(adapter.slot, None)
+        heapq.heappush(self._free_slots, adapter.slot)
+        adapter.slot, adapter.layers = None, []
+        self.evictions += 1
+
+
+__all__ = ["AdapterPool", "AdapterError", "FOLDER_WEIGHTS", "MAX_SCALE", "LORA_LAYER_TYPES"]
