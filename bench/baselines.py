@@ -165,7 +165,7 @@ class PipelineBatchCore:
         return reservation_for(self.model.latent_shape(height, width), height, width, params.output).output_bytes
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model.path.name, native_size=self.model.native_size,
+        return ModelInfo(name=self.model.name, native_size=self.model.native_size,
                          prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class)
 
     def stats(self) -> dict:
@@ -201,7 +201,7 @@ class PipelineBatchCore:
         for r in batch:
             r.state = "running"
             r.timings.queue_s = now - r.arrival
-        guided = self.model.guided(head.key[2])
+        guided = self.model.cfg_scale(head.params) is not None  # as the pipeline decides
         call = self._call = _Call(batch, 2 if guided else 1, now)
         self.counters["calls"] += 1
         self.counters["prompts_encoded"] += len(batch) * call.rows_each
@@ -224,12 +224,14 @@ class PipelineBatchCore:
         try:
             pipe.scheduler = self._scheduler(sampler)
             prompts = [r.params.prompt for r in call.requests]
-            negatives = [r.params.negative_prompt for r in call.requests]
+            given = [r.params.negative_prompt for r in call.requests]
+            # "not given" is None for the pipeline too (SDXL zeroes that branch); SD reads it as ""
+            negatives = None if all(n is None for n in given) else [n or "" for n in given]
             started = time.perf_counter()
             if self.model.pipeline_class == "StableDiffusionPipeline":
                 # what the pipeline's __call__ does first, done here so that it is timed
                 embeds, negative_embeds = pipe.encode_prompt(prompts, self.model.device, 1, call.rows_each == 2,
-                                                             negatives)
+                                                             negatives or [""] * len(prompts))
                 inputs = dict(prompt_embeds=embeds, negative_prompt_embeds=negative_embeds)
             else:
                 inputs = dict(prompt=prompts, negative_prompt=negatives)

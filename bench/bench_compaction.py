@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from engine.core import CoreConfig, EngineCore, Group  # noqa: E402
 from engine.core.config import LAYOUTS as ALL_LAYOUTS  # noqa: E402
-from engine.core.engine_core import _bucket  # noqa: E402
+from engine.core.runner import bucket_rows  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
 from workload_common import PROMPTS, TimedDenoiser, bench_model_folder  # noqa: E402
 
@@ -378,7 +378,7 @@ def test_step(benchmark, request, layout, fraction):
     slots = SMOKE_SLOTS if smoke else 64
     bench = StepBench(model, layout, slots, active_for(fraction, slots))
     expected_rows = {"padded": 2 * slots, "compact": bench.useful_rows,
-                     "bucketed": _bucket(bench.useful_rows, 2 * slots)}[layout]
+                     "bucketed": bucket_rows(bench.useful_rows, 2 * slots)}[layout]
     assert bench.rows == expected_rows and bench.padded_rows == bench.rows - bench.useful_rows
     rounds = int(os.environ.get("DIFFSLOT_BENCH_ROUNDS", "30"))
     before = bench.group.step_index.copy()

@@ -24,7 +24,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 from engine.serve import transport  # noqa: E402
-from engine.serve.launcher import launched_engine  # noqa: E402
+from frontend.launcher import launched_engine  # noqa: E402
 from frontend import GenerateParams  # noqa: E402
 
 

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
 
     from engine.models.loading import load_model
     from engine.serve import transport
-    from engine.serve.launcher import EngineProcess
+    from engine.protocol import GenerateParams
+    from frontend.launcher import EngineProcess
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     folder, label = bench_model_folder(args.model, tmp)
     prompts = prompts_for(folder)
     model = load_model(folder, "cpu")
-    rows_per_request = 2 if model.guided(args.guidance) else 1
+    rows_per_request = 2 if model.cfg_scale(GenerateParams(prompt="", guidance=args.guidance)) is not None else 1
     extra = shlex.split(args.engine_args)
     address = f"ipc://{tmp}/ceiling.sock"
     engine_args = ["--model", str(folder), "--slots", str(args.slots), *extra]

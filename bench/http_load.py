@@ -44,8 +44,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.protocol import GenerateParams  # noqa: E402
-from engine.serve.launcher import EngineProcess, serve_command, stop_process  # noqa: E402
-from frontend.client import AsyncClient  # noqa: E402
+from frontend.launcher import EngineProcess, serve_command, stop_process  # noqa: E402
+from frontend.async_client import AsyncClient  # noqa: E402
 
 from engine.models.shapes.draw import PROMPTS  # noqa: E402
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")

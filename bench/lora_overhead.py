@@ -1,5 +1,5 @@
 """The LoRA path's overhead over a base denoiser call, on CPU through the torch reference
-(issue 21's target: ≤ 25% at rank 8), on the embedded `shapes` model.
+(the target: ≤ 25% at rank 8), on the embedded `shapes` model.
 
     python bench/lora_overhead.py [--rows 8] [--threads 1] [--rank 8] [--targets to_q,to_k,to_v,to_out.0]
 

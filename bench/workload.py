@@ -76,7 +76,7 @@ class System:
     """One system's engine process: started once, used for its probe, below and above runs."""
 
     def __init__(self, name: str, args, folder: pathlib.Path, tmp: pathlib.Path):
-        from engine.serve.launcher import EngineProcess
+        from frontend.launcher import EngineProcess
 
         self.name = name
         slug = name.replace("+", "-")

@@ -64,7 +64,7 @@ def engine_env(threads: int | None) -> dict:
 def engine_command(address: str, engine_args: list[str], cpus: list[int] | None = None) -> list[str]:
     """`python -m engine serve --address ADDR ARGS`, optionally pinned to `cpus` (its decode
     workers inherit the mask), so that every system gets the same CPU share."""
-    from engine.serve.launcher import serve_command
+    from frontend.launcher import serve_command
 
     command = serve_command(address, *engine_args)
     if not cpus:

@@ -10,19 +10,23 @@ import argparse
 import logging
 import sys
 
-from engine.core.config import ADMISSIONS, LAYOUTS, CoreConfig
+from engine.core.config import ADMISSIONS, LAYOUTS, POLICIES, CoreConfig
 from engine.decode.stage import DecodeConfig
 from engine.serve.options import add_config_arguments, add_proc_arguments, config_from_args, flag, \
     proc_config_from_args
 
 # CoreConfig lives with the core: its flags' names and help are given here
 CORE_FLAGS = {
-    "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape"),
+    "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape (default: on a "
+                                                "CPU from the denoiser's rows/s curve, profiled at start; 16 on CUDA)"),
+    "max_input_bytes": flag("--max-input-bytes", metavar="N", help="the largest image or mask a request may send"),
     "layout": flag("--layout", choices=LAYOUTS, help="how a batch is assembled from the active slots"),
     "admission": flag("--admission", choices=ADMISSIONS,
                       help="continuous: free slots are filled at every step; static: a new batch when the last "
                            "one finished"),
     "max_queue": flag("--max-queue", metavar="N", help="requests waiting for a slot before Rejected"),
+    "policy": flag("--policy", choices=POLICIES,
+                   help="admission order: fifo, or srpt (least remaining work first, aged so none starves)"),
     "cuda_graphs": flag("--no-cuda-graphs", negate=True,
                         help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
                              "CUDA graph per bucket"),
@@ -42,8 +46,18 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                     help="the weights' dtype (denoiser, encoders, in-process VAE); latents and solver state stay "
                          "float32 (default %(default)s; float16 or bfloat16 on a GPU)")
-    add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS)
+    add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS, defaults={"slots": None})
     add_config_arguments(ap.add_argument_group("decode"), DecodeConfig)
+    adapters = ap.add_argument_group("adapters")
+    adapters.add_argument("--lora-dir", default=None, metavar="DIR",
+                          help="serve every diffusers-format LoRA in DIR (NAME.safetensors, or NAME/ holding "
+                               "pytorch_lora_weights.safetensors) as adapter NAME; new files are found without a "
+                               "restart")
+    adapters.add_argument("--max-loras-per-request", type=int, default=4, metavar="N",
+                          help="adapters one request may name (default %(default)s)")
+    adapters.add_argument("--lora-budget-bytes", type=int, default=256 << 20, metavar="N",
+                          help="device bytes of resident adapters; least recently used unreferenced ones are "
+                               "evicted beyond it (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,13 +121,31 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     log.info("loading model %s on %s (%s)", args.model, device, args.dtype)
     model = load_model(args.model, device, dtype=args.dtype)
-    config = config_from_args(CoreConfig, args, specs=CORE_FLAGS, device=device)
+    slots = args.slots
+    if slots is None:  # from the denoiser's own curve on a CPU; on CUDA the config's default
+        if device == "cpu":
+            from engine.core.profile import profile_slots
+
+            slots = profile_slots(model).slots
+        else:
+            slots = CoreConfig.slots
+    config = config_from_args(CoreConfig, args, specs=CORE_FLAGS, device=device, slots=slots)
     decode_config = config_from_args(DecodeConfig, args)
     if args.inject_faults:
         from engine.testing.faults import FaultyModel, parse_spec
 
         model = FaultyModel(model, **parse_spec(args.inject_faults))
-    core = _core_factory(args.core)(model, config) if args.core else EngineCore(model, config)
+    adapters = None
+    if args.lora_dir:
+        from engine.lora import AdapterPool
+
+        adapters = AdapterPool(model, args.lora_dir, budget_bytes=args.lora_budget_bytes,
+                               max_per_request=args.max_loras_per_request)
+        log.info("adapters from %s: %s", args.lora_dir, ", ".join(adapters.names()) or "none yet")
+    if args.core:
+        core = _core_factory(args.core)(model, config)
+    else:
+        core = EngineCore(model, config, adapters=adapters)
     return run_engine(core, proc_config,  # the arena holds every decode that admission reserves
                       lambda on_ready: make_decode_stage(model, decode_config, on_ready,
                                                          buffers=core.config.decode_buffers))
@@ -138,7 +170,7 @@ def main(argv=None) -> int:
     if args.command == "health":
         import os
 
-        from engine.serve.health import main as health
+        from frontend.health import main as health
 
         return health(args.address, args.timeout, args.ready, args.auth_token_file,
                       args.curve_server_key or os.environ.get("DIFFSLOT_CURVE_SERVER_KEY"),

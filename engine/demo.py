@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from engine.serve import transport
-from engine.serve.launcher import launched_engine
+from frontend.launcher import launched_engine
 from engine.models.shapes.draw import PROMPTS as SHAPES_PROMPTS
 
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")  # the mix the demo runs (of engine.protocol.SAMPLERS)
@@ -40,13 +40,43 @@ def plan(prompts: list[str]) -> list[dict]:
                          guidance=3.0, seed=0, output="png"))
     requests.append(dict(prompt=prompts[0], steps=LONG_STEPS, sampler="dpmpp_2m", guidance=3.0, seed=99,
                          output="png", cancel_at=LONG_STEPS // 2))
+    if "a blue circle" in prompts and "a green square" in prompts:  # the embedded model: edits too
+        red_circle, _ = drawn("circle")
+        red_square, square = drawn("square")
+        requests.append(dict(prompt="a blue circle", image=_png(red_circle), strength=0.8, steps=20,
+                             sampler="dpmpp_2m", guidance=3.0, seed=2, output="png", edit="img2img of a red circle"))
+        requests.append(dict(prompt="a green square", image=_png(red_square), mask=_png(square), steps=20,
+                             sampler="dpmpp_2m", guidance=3.0, seed=1, output="png", edit="a red square's box repainted"))
     return requests
+
+
+def drawn(shape: str) -> tuple[np.ndarray, np.ndarray]:
+    """A red `shape` drawn as the shapes model's training images are, and a white mask of its box."""
+    from engine.models.shapes.draw import SIZE, shape_mask
+
+    image = np.full((SIZE, SIZE, 3), 128, np.uint8)
+    inside = shape_mask(shape, 16, 16, 18)
+    image[inside] = (230, 26, 26)
+    ys, xs = np.nonzero(inside)
+    mask = np.zeros_like(image)
+    mask[ys.min() - 2:ys.max() + 3, xs.min() - 2:xs.max() + 3] = 255
+    return image, mask
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def label(spec: dict) -> str:
     text = spec["prompt"] or '""'
     if spec.get("negative_prompt"):
         text += f" (not {spec['negative_prompt']})"
+    if spec.get("edit"):
+        text += f"\n{spec['edit']}"
     return f"{text}\n{spec['sampler']} {spec['steps']} g{spec['guidance']:g}"
 
 
@@ -90,7 +120,7 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
         started = time.monotonic()
         handles = []
         for spec in requests:
-            params = GenerateParams(**{k: v for k, v in spec.items() if k != "cancel_at"})
+            params = GenerateParams(**{k: v for k, v in spec.items() if k not in ("cancel_at", "edit")})
             handles.append(client.submit(params, progress="cancel_at" in spec))
         for spec, handle in zip(requests, handles):
             if "cancel_at" in spec:
@@ -154,7 +184,8 @@ def _classify(images: list[np.ndarray | None]) -> list[str]:
 
 def engine_command(args: argparse.Namespace, address: str) -> list[str]:
     command = [sys.executable, "-m", "engine", "serve", "--address", address, "--model", args.model,
-               "--slots", str(args.slots), "--layout", args.layout, "--admission", args.admission,
+               *(["--slots", str(args.slots)] if args.slots is not None else []),
+               "--layout", args.layout, "--admission", args.admission,
                "--max-queue", str(args.max_queue),
                *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
     if args.device:

@@ -5,6 +5,14 @@ one frame, the msgpack body. The engine's ROUTER answers with the body and, for
 `Completed`, one extra frame holding the output bytes (PNG, raw uint8 H×W×3 or
 float32 C×H×W latent), sent zero-copy and never inside the msgpack body.
 
+Image inputs (`GenerateParams.image`, `.mask`) travel the same way in the other
+direction: a `Submit` whose params hold them has them set to None in the body and
+names them in `Submit.inputs` ("image", "mask"), in the order of the extra frames that
+follow the body, each at most `Welcome.max_input_bytes`. The engine's IO thread
+reattaches them (zero-copy) before the busy loop sees the request; a count that does
+not match, an unknown or repeated name, or a frame over the limit is `Rejected` naming
+the field.
+
 Bodies are msgpack arrays whose first element is the message tag (`array_like`
 structs in a tagged union), e.g. `["submit", "r1", {"prompt": "a red circle"}]`.
 `GenerateParams` stays a msgpack map so users can write it by hand and unknown
@@ -40,6 +48,9 @@ MAX_MESSAGE_BYTES = 64 * 1024  # a client message is a few hundred bytes; more i
 # Names of the shared-memory segments an engine creates: SEGMENT_PREFIX + "<engine pid>-...",
 # so a restarted engine and the tests can tell whose segments are left (R10).
 SEGMENT_PREFIX = "diffslot-"
+
+MAX_INPUT_BYTES = 16 << 20  # each image input's frame (`image`, `mask`), by default (CoreConfig.max_input_bytes)
+INPUT_FIELDS = ("image", "mask")  # the GenerateParams fields that travel as their own frames
 
 MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (R16's `partial_images`, as OpenAI's)
 
@@ -114,6 +125,9 @@ class Submit(Message, tag="submit"):
     params: GenerateParams
     progress: bool = True  # send a Progress message after every denoising step
     partial_images: PartialImages = 0  # previews (PartialImage) of the clean-image estimate at evenly spaced steps
+    # the image inputs that follow the body as their own frames, in frame order ("image", "mask");
+    # their params fields are None in the body
+    inputs: tuple[str, ...] = ()
 
 
 class Cancel(Message, tag="cancel"):
@@ -163,6 +177,7 @@ class Welcome(Message, tag="welcome"):
     native_size: int = 0
     pipeline: str = ""  # the served folder's pipeline class
     max_message_bytes: int = MAX_MESSAGE_BYTES  # larger client messages are Rejected naming this limit
+    max_input_bytes: int = MAX_INPUT_BYTES  # each image input frame at most this many bytes (Submit.inputs)
 
 
 class Accepted(Message, tag="accepted"):
@@ -244,6 +259,7 @@ class EngineDead(Message, tag="engine_dead"):
 class StatsReply(Message, tag="stats_reply"):
     token: int
     stats: dict[str, Any]
+    adapters: list[str] = []  # the LoRA adapters the engine serves now (`--lora-dir`), by name
 
 
 class HealthReply(Message, tag="health_reply"):

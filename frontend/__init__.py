@@ -2,7 +2,8 @@
 from engine.protocol import (
     Accepted, Canceled, Completed, Failed, GenerateParams, PartialImage, Progress, Rejected, Timings,
 )
-from frontend.client import AsyncClient, AuthenticationError, Client, EngineDeadError, RequestHandle
+from frontend.async_client import AsyncClient
+from frontend.client import AuthenticationError, Client, EngineDeadError, RequestHandle
 
 __all__ = [
     "Client", "AsyncClient", "RequestHandle", "GenerateParams", "Accepted", "Progress", "PartialImage",

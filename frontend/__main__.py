@@ -2,6 +2,8 @@
 
     python -m frontend generate --prompt "a red circle" --steps 20 --sampler dpmpp_2m \\
         --guidance 3 --seed 7 -o out.png [--address ADDR]
+    python -m frontend generate --prompt "a blue circle" --image in.png [--mask m.png] --strength 0.6 \\
+        [--lora NAME=SCALE ...] [--true-cfg X] -o out.png
 
 Shows a progress bar; Ctrl-C cancels the request on the engine.
 """
@@ -28,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--height", type=int, default=None)
     gen.add_argument("--width", type=int, default=None)
+    gen.add_argument("--image", default=None, metavar="FILE",
+                     help="img2img: start from this PNG, JPEG or WebP image (its size, unless --height/--width)")
+    gen.add_argument("--mask", default=None, metavar="FILE", help="inpainting: the image's size, white = repaint")
+    gen.add_argument("--strength", type=float, default=None,
+                     help="with --image: how far from it to start, (0, 1] (default: the pipeline's)")
+    gen.add_argument("--lora", action="append", default=[], metavar="NAME=SCALE",
+                     help="a LoRA adapter of the engine's --lora-dir at a scale (repeat for several)")
+    gen.add_argument("--true-cfg", type=float, default=None, help="FLUX: the pipeline's true_cfg_scale")
     gen.add_argument("--output-kind", choices=OUTPUT_KINDS, default="png",
                      help="png; uint8 and latent are saved as .npy")
     gen.add_argument("-o", "--out", required=True, help="file to write")
@@ -47,9 +57,15 @@ def generate(args: argparse.Namespace) -> int:
 
     from frontend import Canceled, Client, Completed, EngineDeadError, GenerateParams, Rejected
 
-    params = GenerateParams(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, sampler=args.sampler,
+    try:
+        extras = _extras(args)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    params = GenerateParams(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
+                            sampler=args.sampler,
                             guidance=args.guidance, seed=args.seed, output=args.output_kind,
-                            height=args.height, width=args.width)
+                            height=args.height, width=args.width, **extras)
     try:
         client = Client(args.address, connect_timeout=args.timeout)
         client.connect()
@@ -87,7 +103,8 @@ def generate(args: argparse.Namespace) -> int:
         else:
             np.save(out, result.output)
         t = result.timings
-        print(f"{out}: {t.total_s:.3f}s (queue {t.queue_s:.3f}, denoise {t.denoise_s:.3f}, "
+        image_encode = f", image encode {t.image_encode_s:.3f}" if t.image_encode_s else ""
+        print(f"{out}: {t.total_s:.3f}s (queue {t.queue_s:.3f}{image_encode}, denoise {t.denoise_s:.3f}, "
               f"decode wait {t.decode_wait_s:.3f}, decode {t.decode_s:.3f}; {t.evals} evals)")
         return 0
     if isinstance(result, Canceled):
@@ -99,6 +116,33 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     print(f"failed: {result.error}", file=sys.stderr)
     return 1
+
+
+def _extras(args: argparse.Namespace) -> dict:
+    """The image inputs, adapters and true_cfg the flags give (only those given)."""
+    extras = {}
+    if args.image is not None:
+        extras["image"] = pathlib.Path(args.image).read_bytes()
+    elif args.mask is not None or args.strength is not None:
+        raise ValueError("--mask and --strength need --image")
+    if args.mask is not None:
+        extras["mask"] = pathlib.Path(args.mask).read_bytes()
+    if args.strength is not None:
+        extras["strength"] = args.strength
+    loras = {}
+    for item in args.lora:
+        name, sep, scale = item.rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"--lora {item!r}: expected NAME=SCALE")
+        try:
+            loras[name] = float(scale)
+        except ValueError:
+            raise ValueError(f"--lora {item!r}: the scale is not a number") from None
+    if loras:
+        extras["loras"] = loras
+    if args.true_cfg is not None:
+        extras["true_cfg"] = args.true_cfg
+    return extras
 
 
 def stats(args: argparse.Namespace) -> int:

@@ -24,13 +24,17 @@ $DIFFSLOT_CURVE_CLIENT_KEY) to those files; a failed CURVE handshake also fails
 `Welcome.max_message_bytes` is not sent: its handle ends at once with a `Rejected`
 naming the limit (the engine answers a raw oversized frame the same way).
 
+Image inputs (`GenerateParams.image`, `.mask`) are not put in the Submit's body: the
+client sends them as their own frames after it (`Submit.inputs` names them), zero-copy
+from the caller's bytes; one larger than the engine's `Welcome.max_input_bytes` (or not
+bytes at all) ends its handle at once with a `Rejected` naming the field, unsent.
+
 Every final message that follows bytes the engine sent (a Completed, or a Canceled or
 Failed after partial images) is acknowledged with `Delivered`, which returns those
 bytes to this client's budget on the engine.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
@@ -41,12 +45,13 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
+import msgspec
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
-    PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
+    INPUT_FIELDS, PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
     GenerateParams, Goodbye, Health, HealthReply, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected,
     Stats, StatsReply, Submit, Welcome, encoder, engine_decoder,
 )
@@ -271,22 +276,45 @@ class Client:
         handle = RequestHandle(self, request_id)
         if on_partial_image is not None:
             handle.on_partial_image(on_partial_image)
-        msg = Submit(request_id, params, progress, partial_images)
+        params, inputs, frames, refusal = self._split_inputs(params)
+        msg = Submit(request_id, params, progress, partial_images, tuple(inputs))
         limit = self.welcome.max_message_bytes if self.welcome is not None else 0
         size = len(self._encoder.encode(msg)) if limit else 0
+        if refusal is None and limit and size > limit:  # the engine would refuse it: say so here, unsent
+            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f) or ""))
+            refusal = (f"message of {size} bytes exceeds the engine's limit of {limit} bytes per message "
+                       f"(Welcome.max_message_bytes)", longest)
         with self._lock:  # atomic with _take_handles: a handle is either failed by death/close or never made
             self._check_usable()
             if request_id in self._handles:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if size <= limit or not limit:
+            if refusal is None:
                 self._handles[request_id] = handle
-        if limit and size > limit:  # the engine would refuse it: say so here, without sending megabytes
-            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f) or ""))
-            handle._finish(Rejected(request_id, f"message of {size} bytes exceeds the engine's limit of {limit} "
-                                                f"bytes per message (Welcome.max_message_bytes)", longest), None)
+        if refusal is not None:
+            handle._finish(Rejected(request_id, *refusal), None)
             return handle
-        self._send_soon(msg)
+        self._send_soon((msg, frames) if frames else msg)
         return handle
+
+    def _split_inputs(self, params: GenerateParams):
+        """(params without their image inputs, the input names, their frames, a refusal
+        (reason, field) or None): image bytes travel as their own frames (Submit.inputs)."""
+        present = [name for name in INPUT_FIELDS if getattr(params, name) is not None]
+        if not present:
+            return params, [], [], None
+        limit = self.welcome.max_input_bytes if self.welcome is not None else 0
+        frames = []
+        for name in present:
+            data = getattr(params, name)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                return params, [], [], (f"must be the bytes of a PNG, JPEG or WebP image, not "
+                                        f"{type(data).__name__}", name)
+            nbytes = memoryview(data).nbytes
+            if limit and nbytes > limit:
+                return params, [], [], (f"{nbytes} bytes, more than the engine takes ({limit} bytes per image "
+                                        f"input, Welcome.max_input_bytes)", name)
+            frames.append(data)
+        return msgspec.structs.replace(params, **{name: None for name in present}), present, frames, None
 
     def generate(self, params: GenerateParams, timeout: float | None = None) -> Result:
         """Submit and wait; on timeout or KeyboardInterrupt the request is canceled."""
@@ -304,6 +332,11 @@ class Client:
         """Engine-wide counters: the core's stats and the process's own (a round trip
         through the engine's busy loop, answered between two steps)."""
         return self._round_trip(Stats, "stats", timeout).stats
+
+    def adapters(self, timeout: float = 10.0) -> list[str]:
+        """The LoRA adapters the engine serves now (its `--lora-dir`), by name; [] for none
+        (the same round trip as stats())."""
+        return list(self._round_trip(Stats, "stats", timeout).adapters)
 
     def health(self, timeout: float = 5.0) -> HealthReply:
         """The engine's IO thread's view of its busy loop (answered during a step too):
@@ -408,8 +441,14 @@ class Client:
             self._ctx.term()
 
     def _send(self, msg) -> bool:
+        """Send a message, or a (message, extra frames) pair as one multipart message (the
+        frames zero-copy). False when the pipe is full: nothing of it was sent."""
         try:
-            self._socket.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            if isinstance(msg, tuple):
+                msg, frames = msg
+                self._socket.send_multipart([self._encoder.encode(msg), *frames], zmq.NOBLOCK, copy=False)
+            else:
+                self._socket.send(self._encoder.encode(msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -504,63 +543,3 @@ def _payload(msg: Completed, frame) -> Any:
     if msg.output_kind == "png":
         return frame.bytes
     return np.frombuffer(frame, dtype=np.dtype(msg.dtype)).reshape(msg.shape)  # zero-copy, read-only
-
-
-class AsyncClient:
-    """asyncio face of Client (same IO thread underneath):
-
-        async with AsyncClient(address) as c:
-            r = await c.generate(params)   # cancelling the awaiting task cancels the request
-    """
-
-    def __init__(self, address: str | None = None, **client_kwargs):
-        self._client = Client(address, **client_kwargs)
-
-    async def __aenter__(self) -> "AsyncClient":
-        await asyncio.get_running_loop().run_in_executor(None, self._client.connect)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._client.close)
-
-    @property
-    def client(self) -> Client:
-        return self._client
-
-    async def generate(self, params: GenerateParams, *,
-                       on_progress: Callable[[Progress], None] | None = None,
-                       partial_images: int = 0,
-                       on_partial_image: Callable[[PartialImage], None] | None = None) -> Result:
-        """Submit and await the result. Raises EngineDeadError if the engine dies.
-        `on_partial_image` is called on the event loop for each of `partial_images` previews."""
-        loop = asyncio.get_running_loop()
-        callback = None if on_partial_image is None else \
-            (lambda p: loop.call_soon_threadsafe(on_partial_image, p))
-        handle = self._client.submit(params, progress=on_progress is not None, partial_images=partial_images,
-                                     on_partial_image=callback)
-        done = loop.create_future()
-        handle.add_done_callback(lambda h: loop.call_soon_threadsafe(_resolve, done))
-        try:
-            if on_progress is not None:
-                progress = handle.progress()
-                while True:  # one blocking read per step, off the event loop
-                    item = await loop.run_in_executor(None, next, progress, None)
-                    if item is None:
-                        break
-                    on_progress(item)
-            await done
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
-        return handle.result(0)
-
-    async def stats(self) -> dict[str, Any]:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.stats)
-
-    async def health(self, timeout: float = 5.0) -> HealthReply:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.health, timeout)
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

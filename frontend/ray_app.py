@@ -47,7 +47,7 @@ import uuid
 
 from ray import serve
 
-from engine.serve.launcher import serve_command, stop_process
+from frontend.launcher import serve_command, stop_process
 from frontend import parent_death
 from frontend.http.app import create_app
 from frontend.http.callers import api_keys as keys_from

@@ -17,7 +17,6 @@ import argparse
 import collections
 import dataclasses
 import math
-import os
 import sys
 import time
 import zlib

@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 FAKE_CORE = REPO / "tests" / "fake_core.py"
 
 from engine.protocol import PROTOCOL_VERSION, SEGMENT_PREFIX, Heartbeat, Hello, encoder, engine_decoder  # noqa: E402
-from engine.serve import launcher  # noqa: E402
+from frontend import launcher  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -157,26 +156,31 @@ def _wrap(core):
     return FaultyCore(core, **faults) if faults else core
 
 
+POISON_MARK = 12345.0  # written into a poisoned prompt's embedding, where the denoiser looks for it
+
+
 def poison_model(model, prompt: str):
     """Make the real model's denoiser raise for any batch holding a row conditioned on
-    `prompt` (issue 13 item 1's poison request): its embeddings are tagged when the
-    model encodes them, and `denoise` refuses tagged rows, as a denoiser that cannot
-    take some input would. The core must fail that request alone."""
-    encode, denoise = model.encode, model.denoise
+    `prompt` (a poison request): the model's encoder marks that prompt's embedding rows,
+    and the denoiser refuses a batch whose prompt rows carry the mark, as a denoiser
+    that cannot take some input would. The core must fail that request alone."""
+    encode, run = model.encode, model.run
 
-    def tagged_encode(prompts):
+    def marking_encode(prompts):
         rows = encode(prompts)
         for text, row in zip(prompts, rows):
             if text == prompt:
-                row._poison = True
+                row.hidden = row.hidden.clone()
+                row.hidden.reshape(-1)[0] = POISON_MARK
         return rows
 
-    def refusing_denoise(x, t, rows):
-        if any(getattr(row, "_poison", False) for row in rows):
+    def refusing_run(inputs):
+        first = inputs.hidden.reshape(inputs.rows, -1)[:, 0]
+        if bool((first == POISON_MARK).any()):
             raise ValueError(f"injected denoiser failure: cannot take the prompt {prompt!r}")
-        return denoise(x, t, rows)
+        return run(inputs)
 
-    model.encode, model.denoise = tagged_encode, refusing_denoise
+    model.encode, model.run = marking_encode, refusing_run
     return model
 
 

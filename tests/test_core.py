@@ -851,3 +851,29 @@ def test_every_bucket_is_captured_before_serving(model):
     run_mixed_against_reference(model, core)
     assert capture.captures == 4 and core.graphed.replays >= core.batches
     assert_drained(core)
+
+
+def test_graphs_are_bounded_least_recently_replayed_out(model):
+    """R22: one graph per shape a client asks for would grow without bound; beyond
+    `max_graphs` the least recently replayed is dropped, and an evicted shape still runs
+    (it is captured again)."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+    from engine.models.loading import model_inputs
+
+    capture = EagerCapture()
+    graphed = GraphedDenoiser(model, capture, max_graphs=2)
+    prompt = model.encode(["a red circle"])[0]
+
+    def call(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(rows))
+        inputs = model_inputs(x, torch.full((rows,), 500.0), [prompt] * rows)
+        got = graphed(inputs)
+        assert torch.allclose(got, model.run(inputs))
+        return got
+
+    for rows in (1, 2, 1, 4):  # 2 is least recently replayed when 4 arrives
+        call(rows)
+    assert len(graphed.graphs) == 2 and graphed.evictions == 1
+    assert {key[0][1][0] for key in graphed.graphs} == {1, 4}
+    call(2)
+    assert capture.captures == 4 and graphed.evictions == 2

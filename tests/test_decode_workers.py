@@ -22,6 +22,8 @@ import torch
 from engine.decode import arena as A
 from engine.decode.factory import make_decode_stage
 from engine.decode.in_process import InProcessDecodeStage
+from engine.decode.inline import InlineDecodeStage
+from engine.decode.stage import DecodeConfig
 from engine.decode.stage import postprocess
 from engine.decode.workers import MultiProcessDecodeStage
 from engine.protocol import GenerateParams, Timings
@@ -386,6 +388,9 @@ def test_arena_names_and_make_decode_stage(tiny):
         arena.close()
         second.close()
     assert not (SHM / arena.name).exists() and not (SHM / second.name).exists()
-    inproc = make_decode_stage(tiny, 0)
+    inproc = make_decode_stage(tiny, DecodeConfig(workers=0, in_process="thread"))
     assert isinstance(inproc, InProcessDecodeStage)
     inproc.close()
+    inline = make_decode_stage(tiny, 0)  # on a CPU: on the busy loop's thread, nothing beside the denoiser
+    assert isinstance(inline, InlineDecodeStage)
+    inline.close()

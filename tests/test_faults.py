@@ -1,4 +1,4 @@
-"""Faults injected into the engine process (issue 13, R10, R11, R15), on the fake core
+"""Faults injected into the engine process (R10, R11, R15), on the fake core
 (fast, every branch) and on the real core with real decode worker processes and the
 shared-memory arena (the tiny StableDiffusion folder, 16×16 images, few steps).
 
@@ -163,10 +163,14 @@ def test_oversized_frames_get_an_answer_naming_the_limit():
             assert isinstance(peer.recv(5), StatsReply)
         finally:
             peer.close()
-        # past ZMQ's own cap (16 MiB) the connection is dropped unanswered; the engine serves on
+        # past ZMQ's own cap (at least 16 MiB, twice the largest input the engine takes) the
+        # connection is dropped unanswered; the engine serves on
+        from engine.serve.io_thread import HARD_FRAME_LIMIT
+
+        cap = max(HARD_FRAME_LIMIT, 2 * limit, 2 * c.welcome.max_input_bytes)
         flood = RawPeer(engine.address)
         try:
-            flood.send_frames([b"\x00" * (17 << 20)])
+            flood.send_frames([b"\x00" * (cap + (1 << 20))])
             with pytest.raises(TimeoutError):
                 flood.recv(1)
         finally:
@@ -500,10 +504,10 @@ def test_real_sigkill_of_a_decode_worker_mid_decode(shared):
 
 @pytest.mark.timeout(300)
 def test_real_poison_request_fails_alone(shared):
-    """Issue 13 item 1 at the process level: the denoiser raises for every batch holding
+    """Failure isolation at the process level: the denoiser raises for every batch holding
     the poison prompt's rows; the core must fail that request alone (Failed naming the
-    exception) while a neighbour sharing its batches completes. Needs the core side of
-    item 1 (the lead's); until it lands, the engine goes down with EngineDead instead."""
+    exception) while a neighbour sharing its batches completes; a core that cannot isolate
+    it takes the engine down with EngineDead instead (xfail)."""
     engine = shared.get()
     with Client(engine.address) as a, Client(engine.address) as b:
         neighbour = b.submit(small("a green circle", steps=6, output="latent"))
@@ -512,7 +516,7 @@ def test_real_poison_request_fails_alone(shared):
         try:
             r = poison.result(120)
         except EngineDeadError:
-            pytest.xfail("the core does not isolate a failing request yet (issue 13 item 1, core side)")
+            pytest.xfail("the core does not isolate a failing request yet")
         assert isinstance(r, Failed) and "injected denoiser failure" in r.error
         assert isinstance(neighbour.result(120), Completed)
         assert engine.popen.poll() is None

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from engine.serve import launcher
+from frontend import launcher
 from frontend import Client
 from tests.proc_helpers import REPO, env, fake_engine, real_engine, socket_dir, start_engine, wait_until
 

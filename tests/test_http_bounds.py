@@ -1,4 +1,4 @@
-"""The HTTP gateway's bounds (R22, issue 24): API keys, the body limit, each caller's own
+"""The HTTP gateway's bounds (R22): API keys, the body limit, each caller's own
 share of the engine, the rate limit, requests that can never fit, /health while the
 engine drains, 500s without internals, the seed range, and a Ray replica's engine
 that must not outlive its replica.

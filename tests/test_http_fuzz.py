@@ -45,6 +45,10 @@ JSON_VALUES = st.recursive(
 
 def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     """Values valid under `schema` (the subset of JSON Schema the gateway's document uses)."""
+    if schema is True:  # JSON Schema's "anything"
+        return JSON_VALUES
+    if schema is False:
+        return st.nothing()
     if "$ref" in schema:
         return from_schema(components[schema["$ref"].rsplit("/", 1)[-1]], components)
     constraints = {k: v for k, v in schema.items() if k not in ("anyOf", "description", "default", "title")}
@@ -76,11 +80,16 @@ def _typed(schema: dict, components: dict) -> st.SearchStrategy:
         if "pattern" in schema:
             return st.from_regex(re.compile(schema["pattern"]))
         return st.text(max_size=30)
+    if kind == "array" and "prefixItems" in schema:  # a tuple (`original_size`: height, width)
+        return st.tuples(*(from_schema(item, components) for item in schema["prefixItems"])).map(list)
     if kind == "array":
         return st.lists(from_schema(schema.get("items", {}), components), max_size=3)
     if kind == "object":
         properties = schema.get("properties", {})
         required = set(schema.get("required", ()))
+        extra = schema.get("additionalProperties")
+        if not properties and isinstance(extra, dict):  # a map (`loras`: name → scale)
+            return st.dictionaries(st.text(max_size=8), from_schema(extra, components), max_size=3)
         return st.fixed_dictionaries(
             {name: from_schema(properties[name], components) for name in properties if name in required},
             optional={name: from_schema(properties[name], components) for name in properties
@@ -145,11 +154,13 @@ def test_every_answer_is_documented_and_the_gateway_survives(gateway):
     document = app.openapi()
     components = document["components"]["schemas"]
     ops = operations(document)
-    bodies = {path: body_strategy(op["requestBody"]["content"]["application/json"]["schema"], components)
-              for _, path, op in ops if "requestBody" in op}
+    contents = {path: op["requestBody"]["content"] for _, path, op in ops if "requestBody" in op}
+    bodies = {path: body_strategy(content["application/json"]["schema"], components)
+              for path, content in contents.items() if "application/json" in content}
+    forms = {path for path, content in contents.items() if "multipart/form-data" in content}
     seen: dict[tuple[str, int], int] = {}
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(data=st.data())
     def exchange(data):
@@ -161,6 +172,10 @@ def test_every_answer_is_documented_and_the_gateway_survives(gateway):
         if path in bodies:
             content = data.draw(bodies[path], label="body")
             headers["content-type"] = "application/json"
+        elif path in forms:  # uploads: arbitrary bytes under a form's content type
+            content = data.draw(st.binary(max_size=4096), label="form body")
+            boundary = data.draw(st.sampled_from(["b", "----x", ""]), label="boundary")
+            headers["content-type"] = f"multipart/form-data; boundary={boundary}" if boundary else "multipart/form-data"
         response = loop.run_until_complete(http.request(method, path, content=content, headers=headers))
         status = response.status_code
         seen[(path, status)] = seen.get((path, status), 0) + 1

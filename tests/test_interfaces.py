@@ -10,6 +10,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.core.interface import CoreInterface
 from engine.decode.in_process import InProcessDecodeStage
+from engine.decode.inline import InlineDecodeStage
 from engine.decode.stage import DecodeStage
 from engine.decode.workers import MultiProcessDecodeStage
 from fake_core import FakeCore
@@ -28,7 +29,7 @@ def _baseline_cores() -> list[type]:
 
 
 CORES = [EngineCore, FakeCore, *_baseline_cores()]
-STAGES = [InProcessDecodeStage, MultiProcessDecodeStage]
+STAGES = [InProcessDecodeStage, InlineDecodeStage, MultiProcessDecodeStage]
 
 
 def _check(implementation: type, protocol) -> None:

@@ -1,4 +1,4 @@
-"""Per-request LoRA (issue 21, R20): the adapter pool, the per-row layers and the kernel.
+"""Per-request LoRA (R20): the adapter pool, the per-row layers and the kernel.
 
 Oracles:
 * the denoiser: diffusers' own pipeline with `load_lora_weights(..., adapter_name=...)` and

@@ -78,7 +78,9 @@ def test_a_request_alone_equals_the_pipeline_with_its_adapters(setup):
         params = p("a red circle", loras, seed=5, steps=3, sampler="dpmpp_2m")
         done, _ = run(core, {"r": params})
         want = lora_pipeline_output(folder, lora_dir, params)
-        assert rel_l2(done["r"], want) <= 1e-5
+        err = rel_l2(done["r"], want)
+        print(f"LoRA {loras} alone: relative L2 {err:.2g}")
+        assert err <= 1e-5
         plain = lora_pipeline_output(folder, lora_dir, p("a red circle", {}, seed=5, steps=3, sampler="dpmpp_2m"))
         assert rel_l2(done["r"], plain) > 1e-3  # the adapters changed the result
 
@@ -109,9 +111,9 @@ def test_mixed_adapters_share_calls_with_late_joins_and_cancels(setup):
     finally:
         del model.run
     assert canceled == {"victim"} and set(done) == set(params) - {"victim"}
-    for rid, latents in done.items():
-        err = rel_l2(latents, lora_pipeline_output(folder, lora_dir, params[rid]))
-        assert err <= 1e-4, (rid, err)
+    errors = {rid: rel_l2(latents, lora_pipeline_output(folder, lora_dir, params[rid])) for rid, latents in done.items()}
+    print(f"LoRA shared batch: worst relative L2 {max(errors.values()):.2g}")
+    assert max(errors.values()) <= 1e-4, errors
     assert max(len(distinct) for distinct in rows_seen) >= 3  # calls held rows of different adapter sets
     assert all(a.refcount == 0 for a in pool._adapters.values())  # every reference released after its fence
     stats = core.stats()

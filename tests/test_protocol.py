@@ -67,7 +67,7 @@ def test_request_id_is_read_from_the_head_of_an_oversized_frame():
 @pytest.mark.timeout(10)
 def test_bodies_are_tagged_arrays_and_outputs_stay_out_of_them():
     body = encoder().encode(Submit("r1", GenerateParams("a red circle", steps=4)))
-    assert msgspec.msgpack.decode(body) == ["submit", "r1", {"prompt": "a red circle", "steps": 4}, True, 0]
+    assert msgspec.msgpack.decode(body) == ["submit", "r1", {"prompt": "a red circle", "steps": 4}, True, 0, []]
     done = Completed("r1", TIMINGS, "latent", (4, 8, 8), "float32")
     done.output = np.full((4, 8, 8), 7.0, np.float32)  # attached client-side, never encoded
     assert len(encoder().encode(done)) < 200

@@ -88,11 +88,11 @@ print("sent", sent, flush=True)
 
 
 def _latencies(client: Client, n: int) -> list[float]:
-    """Round trips of a small request: five steps of a millisecond each."""
+    """Round trips of a small request: three steps of 0.3 ms each (the fake core's --step-delay)."""
     samples = []
     for _ in range(n):
         start = time.monotonic()
-        result = client.generate(GenerateParams("a blue square", steps=int(os.environ.get("XSTEPS", "5")), output="latent"), timeout=30)
+        result = client.generate(GenerateParams("a blue square", steps=3, output="latent"), timeout=30)
         samples.append(time.monotonic() - start)
         assert isinstance(result, Completed), result
     return samples
@@ -112,8 +112,9 @@ def test_a_flooding_client_leaves_another_clients_latency_within_twice_its_idle_
     """Idle and flood phases alternate (the flooder stopped and continued), so both
     medians see the same machine; the best of three attempts counts, since this
     machine is shared. Before the fix, one client's frames filled one unbounded queue
-    the busy loop drained whole before every step: the other's p50 was ~8x idle."""
-    with fake_engine("--peer-timeout", "20", "--step-delay", os.environ.get("XDELAY", "0.001")) as engine, Client(engine.address) as quiet:
+    the busy loop drained whole before every step: the other's p50 was 4x idle here
+    (10x with steps of no time at all); after it, about 1.5x."""
+    with fake_engine("--peer-timeout", "20", "--step-delay", "0.0003") as engine, Client(engine.address) as quiet:
         _latencies(quiet, 20)  # warm up
         with client_process(FLOOD_SCRIPT, engine.address, "240") as flooder:
             assert read_line(flooder) == "go"
@@ -130,10 +131,9 @@ def test_a_flooding_client_leaves_another_clients_latency_within_twice_its_idle_
                     time.sleep(0.3)  # the flood is back, its burst spent
                     flooded += _latencies(quiet, 25)
                 ratios.append(statistics.median(flooded) / statistics.median(idle))
-                if ratios[-1] <= 0:
+                if ratios[-1] <= 2.0:
                     break
             stats = quiet.stats()
-        print("RATIOS", ratios)
         assert min(ratios) <= 2.0, f"p50 under flood / idle p50: {ratios}"
         # the flood met the bounds: it was read no faster than its frame rate, and the
         # engine never held more than a bounded inbox of it

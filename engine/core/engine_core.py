@@ -116,6 +116,14 @@ class EngineCore:
         total = request.total_steps
         request.preview_steps = tuple(sorted({max(1, round(total * (k + 1) / (partial_images + 1)))
                                               for k in range(partial_images)} - {total}))
+        if request.preview_steps:  # each preview is a PNG the client holds too (R8)
+            _, h, w = request.latent_shape
+            scale = self.geometry.vae_scale
+            preview = reservation_for(request.latent_shape, h * scale, w * scale, "png").output_bytes
+            request.reservation.output_bytes += len(request.preview_steps) * preview
+            if not self.ledger.could_ever_fit(request.reservation):
+                raise RequestRejected("its previews need more output memory than the engine holds at all",
+                                      "partial_images")
         try:
             self.scheduler.add(request)
         except RequestRejected as exc:
@@ -198,7 +206,7 @@ class EngineCore:
         return reservation_for(geometry.latent_shape(height, width), height, width, params.output).output_bytes
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model.path.name, native_size=self.geometry.native_size,
+        return ModelInfo(name=self.model.name, native_size=self.geometry.native_size,
                          prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class)
 
     def decode_done(self, request_id: str) -> bool:

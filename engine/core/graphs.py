@@ -14,6 +14,7 @@ copy-in, the keys and the fallbacks that the CUDA path relies on.
 """
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -66,9 +67,13 @@ class GraphedDenoiser:
     """`model.run` through one graph per (field, shape, dtype) of its `ModelInputs`: the
     same per-row input structure as the eager path, captured on buffers of its fields."""
 
-    def __init__(self, model, capture):
+    def __init__(self, model, capture, max_graphs: int = 32):
         self.model, self.capturer = model, capture
-        self.graphs: dict[tuple, tuple] = {}  # key → (replay, output, input buffers)
+        # key → (replay, output, input buffers), least recently replayed first; at most
+        # `max_graphs` (R22: every size a client asks for would otherwise keep its graph)
+        self.graphs: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+        self.max_graphs = max_graphs
+        self.evictions = 0
         self.failed: set[tuple] = set()  # keys whose capture raised: those run eagerly
         self.replays = 0
         # what else a capture depends on: the adapter pool's layer layout (engine.lora)
@@ -95,7 +100,11 @@ class GraphedDenoiser:
                 self.failed.add(key)
                 return self.model.run(inputs)
             entry = self.graphs[key] = (replay, output, buffers)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)  # its memory returns to the shared pool
+                self.evictions += 1
             log.info("captured a CUDA graph of the denoiser at %d rows (%d graphs)", inputs.rows, len(self.graphs))
+        self.graphs.move_to_end(key)
         replay, output, buffers = entry
         for buffer, value in zip(buffers, named.values()):
             buffer.copy_(value, non_blocking=True)

@@ -60,7 +60,7 @@ class Runner:
             row_branch_uncond[start[two] + 1] = True
             cond_row, uncond_row = start, np.where(two, start + 1, -1)
             if layout == "bucketed":
-                target = _bucket(len(row_slot), 2 * group.slots)
+                target = bucket_rows(len(row_slot), 2 * group.slots)
                 pad = target - len(row_slot)
                 row_slot = np.concatenate([row_slot, np.full(pad, act[0])])
                 row_branch_uncond = np.concatenate([row_branch_uncond, np.ones(pad, dtype=bool)])
@@ -311,7 +311,7 @@ def _out_of_memory(exc: Exception) -> bool:
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)  # the CPU allocator's words
 
 
-def _bucket(rows: int, limit: int) -> int:
+def bucket_rows(rows: int, limit: int) -> int:
     """Round up to a power of two (at most `limit`): few shapes, stable graphs."""
     size = 1
     while size < rows:

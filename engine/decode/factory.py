@@ -5,12 +5,15 @@ import os
 from typing import Callable
 
 from engine.decode.in_process import InProcessDecodeStage
+from engine.decode.inline import InlineDecodeStage
 from engine.decode.stage import DecodeConfig, DecodeStage
 
 #: Cores per decode worker process on a CPU machine: below this many cores per worker, a
 #: worker takes cores the denoiser wants (measured on 2 cores: the served engine at
 #: 0.64-0.75 of the denoiser's rows/s with two workers, 0.90 with one).
 CPU_CORES_PER_WORKER = 8
+#: `--in-process-decode`: on the busy loop's thread, on a thread beside it, or by device
+IN_PROCESS_MODES = ("auto", "inline", "thread")
 
 
 def default_decode_workers(device: str = "cpu", cpus: int | None = None) -> int:
@@ -50,6 +53,10 @@ def make_decode_stage(model, config: DecodeConfig | int | None = None, on_ready:
     device = str(getattr(model, "device", "cpu"))
     workers = default_decode_workers(device) if config.workers is None else config.workers
     if workers <= 0:
+        if config.in_process not in IN_PROCESS_MODES:
+            raise ValueError(f"in-process decode {config.in_process!r}: one of {', '.join(IN_PROCESS_MODES)}")
+        if config.in_process == "inline" or (config.in_process == "auto" and not device.startswith("cuda")):
+            return InlineDecodeStage(model, on_ready=on_ready)
         return InProcessDecodeStage(model, on_ready=on_ready, decode_timeout_s=config.decode_timeout_s)
     from engine.decode.workers import MultiProcessDecodeStage  # loads the arena's C atomics
 

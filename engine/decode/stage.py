@@ -36,6 +36,11 @@ class DecodeConfig:
         "--decode-timeout", metavar="S",
         help="a decode running longer fails its request (Failed) and later decodes go on: a worker is killed "
              "and replaced, an in-process decode thread is abandoned and replaced (0: no deadline)"))
+    in_process: str = dataclasses.field(default="auto", metadata=_cli(
+        "--in-process-decode", metavar="MODE", dest="in_process_decode",
+        help="with --decode-workers 0: 'inline' decodes on the busy loop's thread between steps, several "
+             "latents per VAE call, nothing beside the denoiser; 'thread' on a thread beside it, with the "
+             "decode deadline; 'auto' (default): inline on CPU, thread on CUDA (its own stream)"))
     threads_per_worker: int | None = None  # torch threads per worker (default: 1 on CPU, cores / workers on CUDA)
     max_size: int | None = None  # the largest image side the arena holds (default: 4x the native size)
     start_timeout_s: float = 180.0  # workers must have loaded their model by then

@@ -112,6 +112,13 @@ class DiffusionModel:
     def revision(self) -> str:
         return str(self.path)
 
+    @property
+    def name(self) -> str:
+        """What clients are told the model is: `shapes` for the embedded one, else its folder's name."""
+        from engine.models import SHAPES_DIR
+
+        return "shapes" if pathlib.Path(self.path) == SHAPES_DIR else pathlib.Path(self.path).name
+
     @functools.cached_property
     def geometry(self) -> Geometry:
         """The one source for channels, scale, size multiple and native size (R19)."""

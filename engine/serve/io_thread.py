@@ -14,6 +14,12 @@ with the flood's, are read in their turn. And a client with `max_pending_per_cli
 messages still waiting for the busy loop gets its further Submits and Stats answered
 here with `Rejected(retry_after_s)`, never queued; Cancel and Delivered, which release
 resources, still pass, up to 16 times that bound, past which the client is written off.
+
+Image inputs: a Submit's body may be followed by one frame per name in `Submit.inputs`
+("image", "mask"); they are received zero-copy (only the identity and the body are
+copied), checked here against `Welcome.max_input_bytes` and the names, and attached to
+the params as memoryviews over the received frames before the busy loop sees the
+request. Anything wrong is a `Rejected` naming the field, sent from this thread.
 """
 from __future__ import annotations
 
@@ -28,11 +34,12 @@ import select
 import threading
 import time
 
+import msgspec
 import zmq
 
 from engine.protocol import (
-    PROTOCOL_VERSION, Cancel, Delivered, EngineDead, Goodbye, Health, HealthReply, Heartbeat, Hello, Progress,
-    ProgressBatch, Rejected, Stats, Submit, Welcome, client_decoder, describe_decode_error, encoder,
+    INPUT_FIELDS, PROTOCOL_VERSION, Cancel, Delivered, EngineDead, Goodbye, Health, HealthReply, Heartbeat, Hello,
+    Progress, ProgressBatch, Rejected, Stats, Submit, Welcome, client_decoder, describe_decode_error, encoder,
 )
 from engine.serve import transport
 from engine.serve.frames import peek_request_id
@@ -139,6 +146,7 @@ class IOThread(threading.Thread):
         self.auth_failures = 0
         self.rejected_pending = 0  # Submits and Stats refused: their client had too many waiting
         self.health_probes = 0
+        self.rejected_inputs = 0  # Submits whose image input frames were refused (count, names, size)
         self._token = config.auth_token.encode()
         self._decoder = client_decoder()
         self._encoder = encoder()
@@ -197,7 +205,7 @@ class IOThread(threading.Thread):
         """Read up to RECEIVE_BATCH frames, fewer if a flood pauses reading."""
         for _ in range(RECEIVE_BATCH):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv_message()
             except zmq.Again:
                 return
             self.messages_received += 1
@@ -211,7 +219,16 @@ class IOThread(threading.Thread):
             if self._paused_until > arrival:
                 return
 
-    def _handle_frames(self, frames: list[bytes], arrival: float) -> None:
+    def _recv_message(self) -> list:
+        """One client message: [identity, body, *input frames]. The identity and the body
+        are bytes; frames after the body (a Submit's image inputs) are zmq.Frames, not
+        copied. Raises zmq.Again when nothing waits (the parts of a message arrive together)."""
+        frames = [self.router.recv(zmq.NOBLOCK)]
+        while self.router.getsockopt(zmq.RCVMORE):
+            frames.append(self.router.recv() if len(frames) < 2 else self.router.recv(copy=False))
+        return frames
+
+    def _handle_frames(self, frames: list, arrival: float) -> None:
         identity = frames[0]
         peer = self.peers.get(identity)
         self._pace(peer.frame_rate if peer is not None else self._sessionless_rate, arrival)
@@ -221,10 +238,10 @@ class IOThread(threading.Thread):
             return
         if peer is not None:
             peer.last_seen = arrival
-        if len(frames) != 2:
-            self._send_now(identity, Rejected("", f"malformed message: expected one frame, got {len(frames) - 1}"))
+        if len(frames) < 2:
+            self._send_now(identity, Rejected("", "malformed message: expected one frame, got 0"))
             return
-        body = frames[1]
+        body, extra = frames[1], frames[2:]
         limit = self.config.max_message_bytes
         if len(body) > limit:
             self.oversized_frames += 1
@@ -240,6 +257,14 @@ class IOThread(threading.Thread):
             request_id, field = describe_decode_error(body, exc)
             log.info("rejected a malformed frame (request %s, field %s): %s", request_id, field, exc)
             self._send_now(identity, Rejected(request_id or "", f"invalid message: {exc}", field))
+            return
+        if isinstance(msg, Submit) and (msg.inputs or extra):
+            msg = self._attach_inputs(identity, msg, extra)
+            if msg is None:
+                return
+        elif extra:
+            self._send_now(identity, Rejected(getattr(msg, "request_id", ""), f"malformed message: expected one "
+                                                                              f"frame, got {len(frames) - 1}"))
             return
         if isinstance(msg, Heartbeat):
             return
@@ -257,6 +282,41 @@ class IOThread(threading.Thread):
             self._answer_health(identity, msg)
             return
         self._forward(identity, msg, arrival)
+
+    def _attach_inputs(self, identity: bytes, msg: Submit, extra: list) -> Submit | None:
+        """The Submit with its input frames set on its params, or None once it has been
+        Rejected naming the field (the frame count, the names, a frame's size)."""
+        names, limit = msg.inputs, self.welcome.max_input_bytes
+        problem = None
+        for position, name in enumerate(names):
+            if name not in INPUT_FIELDS:
+                problem = (f"unknown image input {name!r} in Submit.inputs; known: {', '.join(INPUT_FIELDS)}",
+                           "inputs")
+            elif name in names[:position]:
+                problem = f"image input {name!r} named twice in Submit.inputs", "inputs"
+            elif getattr(msg.params, name) is not None:
+                problem = "given both in the message and as a frame (Submit.inputs)", name
+            elif position >= len(extra):
+                problem = (f"Submit.inputs names {len(names)} frame(s) ({', '.join(names)}) but {len(extra)} "
+                           f"followed the message: no frame for {name!r}", name)
+            elif len(extra[position]) > limit:
+                problem = (f"{len(extra[position])} bytes, more than the engine takes ({limit} bytes per image "
+                           f"input, Welcome.max_input_bytes)", name)
+            if problem is not None:
+                break
+        if problem is None and len(extra) > len(names):
+            problem = (f"{len(extra)} frame(s) followed the message but Submit.inputs names {len(names)}",
+                       "inputs")
+        if problem is not None:
+            self.rejected_inputs += 1
+            log.info("request %r: image inputs rejected (field %s): %s", msg.request_id, problem[1], problem[0])
+            if identity in self.peers:  # before Hello: refused by the session check
+                self._send(identity, Rejected(msg.request_id, problem[0], problem[1]), None)
+            else:
+                self._send_now(identity, Rejected(msg.request_id, "send Hello before anything else", "version"))
+            return None
+        params = msgspec.structs.replace(msg.params, **{name: frame.buffer for name, frame in zip(names, extra)})
+        return msgspec.structs.replace(msg, params=params, inputs=())
 
     def _forward(self, identity: bytes, msg: Submit | Cancel | Delivered | Stats, arrival: float) -> None:
         pending = self.inputs.pending(identity)

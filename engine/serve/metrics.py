@@ -28,7 +28,7 @@ class EngineMetrics:
         self.seconds = {
             name: Histogram(f"diffslot_request_{name}", f"Per-request {name.replace('_s', '')} time, seconds",
                             buckets=_SECONDS_BUCKETS, registry=r)
-            for name in ("queue_s", "encode_s", "denoise_s", "decode_wait_s", "decode_s", "total_s")
+            for name in ("queue_s", "encode_s", "image_encode_s", "denoise_s", "decode_wait_s", "decode_s", "total_s")
         }
         self.evals = Counter("diffslot_evals", "Denoiser rows of finished requests", ["kind"], registry=r)
         self.canceled_evals = Counter("diffslot_canceled_evals", "Denoiser rows spent on requests later canceled",

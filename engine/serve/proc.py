@@ -66,7 +66,8 @@ from engine.core.outputs import RequestRejected
 from engine.decode.arena import sweep_stale as sweep_stale_segments
 from engine.decode.stage import DecodeStage
 from engine.protocol import (
-    PROTOCOL_VERSION, Accepted, Cancel, Delivered, EngineDead, Rejected, Stats, StatsReply, Submit, Welcome,
+    MAX_INPUT_BYTES, PROTOCOL_VERSION, Accepted, Cancel, Delivered, EngineDead, Rejected, Stats, StatsReply, Submit,
+    Welcome,
 )
 from engine.serve import transport
 from engine.serve.bookkeeping import ClientRecord, RequestBook, RequestRecord
@@ -128,13 +129,16 @@ class EngineCoreProc:
                 raise OSError(errno.EADDRINUSE, f"another process listens on {config.address}")
             path.parent.mkdir(parents=True, exist_ok=True)
         self.ctx = zmq.Context()
+        # each image input frame (Submit.inputs) at most this, checked by the IO thread
+        self.max_input_bytes = int(getattr(getattr(core, "config", None), "max_input_bytes", MAX_INPUT_BYTES))
         router = self._bind(path)
         info = core.model_info()
         welcome = Welcome(
             version=PROTOCOL_VERSION, engine_pid=os.getpid(), heartbeat_interval_s=config.heartbeat_interval_s,
             peer_timeout_s=config.peer_timeout_s, output_budget_bytes=config.output_budget_bytes,
             model=model_label(info.name or config.model_name), prompts=list(info.prompts),
-            native_size=info.native_size, pipeline=info.pipeline, max_message_bytes=config.max_message_bytes)
+            native_size=info.native_size, pipeline=info.pipeline, max_message_bytes=config.max_message_bytes,
+            max_input_bytes=self.max_input_bytes)
         self.waker = transport.Waker()
         self.io = IOThread(router, config, welcome, self.inputs, self.output_queue, self.waker, self.heartbeat)
         self.decode_stage = make_decode_stage(lambda: self.inputs.control.put(WAKE))
@@ -154,7 +158,8 @@ class EngineCoreProc:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, config.sndhwm)
-        router.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 2 * config.max_message_bytes))
+        router.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 2 * config.max_message_bytes,
+                                              2 * self.max_input_bytes))  # an oversized input is Rejected too
         try:
             if config.curve_secret_key:
                 transport.make_curve_server(router, config.curve_public_key, config.curve_secret_key)
@@ -382,7 +387,7 @@ class EngineCoreProc:
         elif isinstance(item, Shutdown):
             self._stopping = item.reason
 
-    def _handle_client_item(self, item) -> None:
+    def _handle_client_item(self, item: ClientConnected | FromClient | ClientGone) -> None:
         if isinstance(item, ClientConnected):
             self.book.connect(item.identity)
             log.info("client %s connected (pid %d%s)", item.identity.hex(), item.hello.pid,
@@ -402,7 +407,8 @@ class EngineCoreProc:
         elif isinstance(msg, Delivered):
             self.book.delivered(client, msg.request_id)
         elif isinstance(msg, Stats):
-            self._send(client.identity, StatsReply(msg.token, self._core_stats() | self._process_stats()))
+            self._send(client.identity, StatsReply(msg.token, self._core_stats() | self._process_stats(),
+                                                   self._adapter_names()))
 
     def _submit(self, client: ClientRecord, msg: Submit, arrival: float) -> None:
         if self._draining is not None:
@@ -477,6 +483,17 @@ class EngineCoreProc:
         return {str(k): v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
                 for k, v in stats.items()}
 
+    def _adapter_names(self) -> list[str]:
+        """The LoRA adapters the core serves now (its `adapters` pool rescans its folder)."""
+        pool = getattr(self.core, "adapters", None)
+        if pool is None:
+            return []
+        try:
+            return list(pool.names())
+        except Exception:
+            log.exception("listing the adapters failed")
+            return []
+
     def _process_stats(self) -> dict:
         io = self.io
         return {
@@ -491,6 +508,7 @@ class EngineCoreProc:
             "io_messages_sent": io.messages_sent,
             "io_messages_received": io.messages_received,
             "oversized_frames": io.oversized_frames,
+            "rejected_image_inputs": io.rejected_inputs,
             "auth_failures": io.auth_failures,
             "rejected_pending_inputs": io.rejected_pending,
             "inputs_waiting": self.inputs.waiting(),

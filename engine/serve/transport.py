@@ -3,6 +3,11 @@
 The default engine address is an ipc socket `diffslot-<pid>.sock` in the user's
 runtime directory ($XDG_RUNTIME_DIR, else a private /tmp/diffslot-<uid> folder), so
 clients on the same machine find a running engine without being told its address.
+
+CURVE (ZeroMQ's encryption and authentication, `zmq.auth` certificate files): the
+engine's socket is a CURVE server with its key pair, so only clients that know its
+public key complete the handshake, and everything on the wire is encrypted; with an
+authenticator (a ZAP handler on the engine's context) only listed client keys pass.
 """
 from __future__ import annotations
 

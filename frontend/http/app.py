@@ -1,11 +1,14 @@
 """The OpenAI-compatible images API as a FastAPI app that is an AsyncClient of one engine.
 
     POST /v1/images/generations   OpenAI's body + steps, sampler, guidance, seed, negative_prompt
-    GET  /v1/models               the engine's model (from its Welcome)
+                                  (and the extras loras, true_cfg, original_size, crops_coords_top_left,
+                                  target_size)
+    POST /v1/images/edits         OpenAI's multipart form (image, mask files) + strength and the same knobs
+    GET  /v1/models               the engine's model (from its Welcome) and its LoRA adapters
     GET  /health                  200 when the engine answers, 503 when it does not or drains
     GET  /metrics                 the gateway's own Prometheus metrics
 
-`create_app(link, api_keys=..., max_body_bytes=..., rate_limit=...)` builds it around
+`create_app(link, api_keys=..., max_body_bytes=..., max_upload_bytes=..., rate_limit=...)` builds it around
 an `EngineLink`; `python -m frontend http` serves it with uvicorn, and
 `frontend.ray_app` serves the same app from Ray Serve replicas. `callers.py` fences
 callers from each other (API keys, rate buckets, the body limit); each caller's
@@ -39,17 +42,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected
-from frontend.client import AsyncClient, EngineDeadError
+from frontend.async_client import AsyncClient
+from frontend.client import EngineDeadError
 from frontend.http.callers import (
-    DEFAULT_MAX_BODY_BYTES, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES, EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter,
+    caller_of, read_body,
 )
 from frontend.http.errors import APIError, bad_request, engine_unavailable, from_rejected
 from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
 from frontend.http.schemas import (
-    ErrorResponse, Generation, Health, ImageGenerationRequest, ImagesResponse, ModelList, check_fits,
-    completed_event, images_response, models_response, openapi_components, parse_generation, partial_image_event,
-    schema_ref,
+    ErrorResponse, Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList,
+    check_fits, completed_event, images_response, models_response, openapi_components, parse_edit,
+    parse_generation, partial_image_event, schema_ref,
 )
 
 log = logging.getLogger("diffslot.http")
@@ -185,14 +190,15 @@ class ImageStream:
         if preview is not None:  # previews arrive before the result: send them first
             self.metrics.partial_images.inc()
             return partial_image_event(_b64(preview.image), preview.index, self.gen.size, preview.step,
-                                       preview.total)
+                                       preview.total, self.gen.event)
         task, self.task = self.task, None
         error = task.exception()
         result = error if error is not None else task.result()
         if not isinstance(result, Completed):
             return _outcome_error(result, self.link, self.metrics)
         self.metrics.images.labels("completed").inc()
-        return completed_event(_b64(result.output), self.gen.size, result.timings, self.gen.params[0].seed)
+        return completed_event(_b64(result.output), self.gen.size, result.timings, self.gen.params[0].seed,
+                               self.gen.event)
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
@@ -257,12 +263,13 @@ def _ok(description: str, content: dict) -> dict:
 
 def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[str] = (),
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rate_limit: float = 0.0,
-               rate_burst: float | None = None) -> FastAPI:
+               rate_burst: float | None = None, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
     """The gateway around `link`. With `own_link` the app's lifespan starts connecting it
     (in the background) and closes it at shutdown; a Ray
     replica that owns its engine passes its own link and own_link=False. `api_keys`:
     bearer keys, each its own caller (none: every /v1 route is open and each client
-    address is a caller); `max_body_bytes`: the largest request body; `rate_limit`:
+    address is a caller); `max_body_bytes`: the largest request body (`max_upload_bytes`
+    for the edits form, which carries the image and mask); `rate_limit`:
     requests per second per caller (0: no limit), `rate_burst` banked (default: one
     second's worth, at least 1)."""
     api_keys = tuple(api_keys)
@@ -285,7 +292,7 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
     app.state.link, app.state.metrics = link, metrics
     # the gate runs inside the metrics middleware, so that its 401/413/429 are counted
     app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(rate_limit, rate_burst),
-                       max_body_bytes=max_body_bytes)
+                       max_body_bytes=max_body_bytes, path_limits={EDITS_PATH: max_upload_bytes})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def openapi() -> dict:
@@ -339,12 +346,29 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
                     {"application/json": {"schema": schema_ref(ImagesResponse)},
                      "text/event-stream": {"schema": {"type": "string"}}})
 
+    edit_doc = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "allOf": [schema_ref(ImageEditRequest), {
+            "type": "object", "required": ["image", "prompt"],
+            "properties": {"image": {"type": "string", "format": "binary", "description": "PNG, JPEG or WebP"},
+                           "mask": {"type": "string", "format": "binary",
+                                    "description": "The image's size; white = repaint"}}}]}}}}}
+
     @app.post("/v1/images/generations", openapi_extra=body_doc,
               responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def generations(request: Request) -> Response:
         body = await read_body(request, max_body_bytes)
         await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
-        gen = parse_generation(body, link.models)
+        return await serve(request, parse_generation(body, link.models))
+
+    @app.post(EDITS_PATH, openapi_extra=edit_doc,
+              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
+    async def edits(request: Request) -> Response:
+        body = await read_body(request, max_upload_bytes)
+        await link.client()
+        return await serve(request, parse_edit(request.headers.get("content-type", ""), body, link.models,
+                                               link.welcome.max_input_bytes))
+
+    async def serve(request: Request, gen: Generation) -> Response:
         welcome = link.welcome
         check_fits(gen, welcome.output_budget_bytes, welcome.native_size)
         lease = await link.lease(caller_of(request.scope))
@@ -368,8 +392,14 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
     @app.get("/v1/models", responses={**_ok("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
                                       **_error_responses(401, 429, 503)})
     async def models() -> Response:
-        await link.client()
-        return Response(models_response(link.models[:1], link.created), media_type=JSON)
+        client = await link.client()
+        try:
+            adapters = await client.adapters()  # a round trip: adapters come and go in the engine's folder
+        except (EngineDeadError, ConnectionError, RuntimeError) as exc:
+            raise link.lost(exc) from None
+        except TimeoutError:
+            raise engine_unavailable("the engine did not answer in time") from None
+        return Response(models_response(link.models[:1], link.created, adapters), media_type=JSON)
 
     @app.get("/health", responses={**_ok("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
                                    **_error_responses(503)})

@@ -36,6 +36,8 @@ from frontend.http.errors import APIError, bad_request
 
 API_KEYS_ENV = "DIFFSLOT_API_KEYS"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # JSON bodies: a prompt is at most the engine's 64 KiB message anyway
+EDITS_PATH = "/v1/images/edits"
+DEFAULT_MAX_UPLOAD_BYTES = 33 << 20  # the edits form: an image and a mask of the engine's 16 MiB each, and text
 CALLER_SCOPE_KEY = "diffslot.caller"  # where CallerGate leaves the caller id in the ASGI scope
 PROTECTED_PREFIX = "/v1"
 RATE_BUCKETS = 10_000  # caller buckets remembered; full ones (equal to a fresh bucket) are forgotten first
@@ -135,8 +137,10 @@ class CallerGate:
     """ASGI middleware: authenticate `/v1` requests, name their caller, take a rate token,
     and refuse a declared Content-Length over the body limit before anything is read."""
 
-    def __init__(self, app, keys: KeyRing, limiter: RateLimiter, max_body_bytes: int):
+    def __init__(self, app, keys: KeyRing, limiter: RateLimiter, max_body_bytes: int,
+                 path_limits: dict[str, int] | None = None):
         self.app, self.keys, self.limiter, self.max_body_bytes = app, keys, limiter, max_body_bytes
+        self.path_limits = dict(path_limits or {})  # routes with their own body limit (the edits upload)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
@@ -157,7 +161,8 @@ class CallerGate:
             if wait > 0:
                 error = rate_limited(wait, self.limiter.rate)
         if error is None and b"content-length" in headers:
-            error = declared_length_error(headers[b"content-length"], self.max_body_bytes)
+            error = declared_length_error(headers[b"content-length"],
+                                          self.path_limits.get(scope["path"], self.max_body_bytes))
         if error is not None:
             error.headers.setdefault("Connection", "close")  # whatever body came stays unread
             return await error.response()(scope, receive, send)
@@ -185,5 +190,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["API_KEYS_ENV", "DEFAULT_MAX_BODY_BYTES", "CallerGate", "ClientDisconnect", "KeyRing", "RateLimiter",
+__all__ = ["API_KEYS_ENV", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_UPLOAD_BYTES", "EDITS_PATH", "CallerGate",
+           "ClientDisconnect", "KeyRing", "RateLimiter",
            "api_keys", "caller_of", "read_body"]

@@ -32,7 +32,8 @@ import logging
 import time
 
 from engine.protocol import Rejected, Welcome
-from frontend.client import AsyncClient, EngineDeadError
+from frontend.async_client import AsyncClient
+from frontend.client import EngineDeadError
 from frontend.http.errors import APIError, engine_unavailable
 
 log = logging.getLogger("diffslot.http")

@@ -6,6 +6,11 @@ engine's knobs as extra fields (`steps`, `sampler`, `guidance`, `seed`,
 `negative_prompt`), which the `openai` package sends through `extra_body`.
 `parse_generation` decodes and checks it and turns it into the engine's
 `GenerateParams`, one per image; anything wrong is a 400 naming the parameter.
+`ImageEditRequest` is OpenAI's `POST /v1/images/edits` form (multipart: `image`,
+`mask` files and text fields) plus `strength` and the same knobs; `parse_edit` reads
+the form (`parse_form`, also the `openai` package's `extra_body` forms `loras[NAME]` and
+`original_size[]`) and checks it the same way. Both take the engine's per-request extras
+`loras`, `true_cfg`, `original_size`, `crops_coords_top_left` and `target_size`.
 `check_fits` refuses, with a 400 naming `n`, `size` or `partial_images`, a request
 whose images could never fit in one caller's output budget on the engine (a 429
 would tell the client to retry something that can never succeed).
@@ -16,10 +21,13 @@ a bad value is still the gateway's own 400 naming the parameter, as OpenAI answe
 """
 from __future__ import annotations
 
+import email.message
+import io
+import json
 import re
 import secrets
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -74,6 +82,27 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     seed: Annotated[int | None, _doc("The first image's seed; absent: a random one.", minimum=0,
                                      maximum=SEED_LIMIT - 1)] = None
     negative_prompt: Annotated[str | None, _doc("Conditions the unconditional branch of guidance.")] = None
+    # the engine's per-request extras (the `openai` package's `extra_body`)
+    loras: Annotated[dict[str, float] | None, _doc("LoRA adapters (GET /v1/models lists them) → scale.",
+                                                   examples=[{"A": 0.8}])] = None
+    true_cfg: Annotated[float | None, _doc("FLUX: the pipeline's true_cfg_scale (with negative_prompt).")] = None
+    original_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
+    crops_coords_top_left: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [top, left].")] = None
+    target_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
+
+
+class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fields=True):
+    """The text fields of OpenAI's edits form, and the engine's `strength`. The `image`
+    and `mask` files are not part of it (parse_edit takes them from the form)."""
+
+    strength: Annotated[float | None, _doc("How far from the image to start: (0, 1]; absent: the model's image "
+                                           "pipeline's default.", exclusiveMinimum=0, maximum=1)] = None
+    input_fidelity: str | None = None  # accepted for compatibility; it does not change the image
+
+
+#: the extras that are not plain values: JSON text in a form, or the `openai` package's `x[...]` fields
+STRUCTURED_FIELDS = ("loras", "original_size", "crops_coords_top_left", "target_size")
+EXTRA_FIELDS = ("loras", "true_cfg", "original_size", "crops_coords_top_left", "target_size")
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -84,6 +113,8 @@ class Generation(msgspec.Struct, frozen=True):
     size: str  # "WxH" as echoed back, "auto" where the model's native size is used
     stream: bool
     partial_images: int
+    event: str = "image_generation"  # the SSE event prefix: "image_edit" for edits
+    default_hw: tuple[int, int] | None = None  # (height, width) of the output when size is absent (an edit's image)
 
 
 _decoder = msgspec.json.Decoder(ImageGenerationRequest)
@@ -123,6 +154,10 @@ def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
         req = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise decode_error(exc) from None
+    return _generation(req, served_models)
+
+
+def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **inputs) -> Generation:
     if req.model not in (None, "") and req.model not in served_models:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(m) for m in served_models[:1])}.", param="model", code="model_not_found")
@@ -165,6 +200,14 @@ def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
     knobs = {name: value for name, value in (("steps", req.steps), ("sampler", req.sampler),
                                              ("guidance", req.guidance), ("negative_prompt", req.negative_prompt))
              if value is not None}
+    for name in EXTRA_FIELDS:
+        value = getattr(req, name)
+        if value is None or value == {}:
+            continue
+        if isinstance(value, tuple) and not all(-INT64 <= v < INT64 for v in value):
+            raise bad_request(f"Invalid value for '{name}': {list(value)} is out of range.", name)
+        knobs[name] = value
+    knobs.update({name: value for name, value in inputs.items() if value is not None})
     try:
         params = tuple(GenerateParams(prompt=req.prompt, seed=seed + i, output="png", height=height, width=width,
                                       **knobs) for i in range(n))
@@ -172,12 +215,133 @@ def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
         raise bad_request(str(exc)) from None
     size = "auto" if height is None else f"{width}x{height}"
     return Generation(model=req.model or served_models[0], params=params, size=size, stream=stream,
-                      partial_images=partial)
+                      partial_images=partial, event="image_edit" if "image" in inputs else "image_generation",
+                      default_hw=_header_size(inputs.get("image")))
 
 
-def image_bytes(params: GenerateParams, native_size: int) -> int:
+def _header_size(data: bytes | None) -> tuple[int, int] | None:
+    """(height, width) from an image's header, None if it has none (the engine then says why)."""
+    if data is None:
+        return None
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+        return height, width
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------- the edits form
+
+_MULTIPART = re.compile(r"^\s*multipart/form-data\s*(;|$)", re.IGNORECASE)
+_INDEXED = re.compile(r"^(\w+)\[(\w*)\]$")  # the openai package's `loras[A]` and `original_size[]`
+FILE_FIELDS = ("image", "mask")
+_edit_fields = set(ImageEditRequest.__struct_fields__)
+
+
+def _header_params(value: str) -> email.message.Message:
+    message = email.message.Message()
+    message["content-type"] = value
+    return message
+
+
+def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A multipart/form-data body as (text fields, files). Repeated names and the
+    bracketed forms become lists (`x[]`) and objects (`x[key]`); any field may be a file
+    part or a text part. Raises APIError (400) naming the field where there is one."""
+    if not _MULTIPART.match(content_type or ""):
+        raise bad_request("The request body must be multipart/form-data (the image and mask as files).", None,
+                          "invalid_content_type")
+    boundary = _header_params(content_type).get_param("boundary")
+    if not isinstance(boundary, str) or not 0 < len(boundary) <= 200:
+        raise bad_request("The multipart/form-data body has no boundary.", None, "invalid_multipart")
+    sections = (b"\r\n" + body).split(b"\r\n--" + boundary.encode("latin-1"))
+    if len(sections) < 2 or not sections[-1].startswith(b"--"):
+        raise bad_request("The multipart/form-data body is truncated or malformed.", None, "invalid_multipart")
+    fields: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    for section in sections[1:-1]:
+        head_end = section.find(b"\r\n\r\n")
+        if head_end < 0:
+            raise bad_request("A multipart/form-data part has no headers.", None, "invalid_multipart")
+        name, filename = None, None
+        for line in section[:head_end].decode("latin-1").split("\r\n")[1:]:
+            key, _, value = line.partition(":")
+            if key.strip().lower() == "content-disposition":
+                disposition = _header_params("form-data" + value[value.find(";"):] if ";" in value else value)
+                name, filename = disposition.get_param("name"), disposition.get_param("filename")
+        if not isinstance(name, str) or not name:
+            raise bad_request("A multipart/form-data part has no field name.", None, "invalid_multipart")
+        content = section[head_end + 4:]
+        indexed = _INDEXED.match(name)
+        base = indexed.group(1) if indexed else name
+        if base in FILE_FIELDS:
+            if base in files:
+                raise bad_request(f"One '{base}' only: this server edits one image per request.", base,
+                                  "unsupported_value")
+            files[base] = content
+            continue
+        try:
+            text = content.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_request(f"Invalid value for '{base}': not UTF-8 text"
+                              f"{' (a file where text belongs)' if filename is not None else ''}.", base) from None
+        if indexed is None:
+            if name in fields:
+                raise bad_request(f"Parameter '{name}' given more than once.", name)
+            fields[name] = text
+        elif indexed.group(2):  # x[key]: an object
+            target = fields.setdefault(base, {})
+            if not isinstance(target, dict) or indexed.group(2) in target:
+                raise bad_request(f"Invalid value for '{base}'.", base)
+            target[indexed.group(2)] = text
+        else:  # x[]: a list
+            target = fields.setdefault(base, [])
+            if not isinstance(target, list):
+                raise bad_request(f"Invalid value for '{base}'.", base)
+            target.append(text)
+    return fields, files
+
+
+def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], max_input_bytes: int) -> Generation:
+    """Read and check an edits form; raises APIError (400/404) naming the parameter.
+    Values are text in a form: numbers and booleans are read from it, the structured
+    extras from JSON text (`loras={"A": 0.8}`) or the bracketed fields."""
+    fields, files = parse_form(content_type, body)
+    for name in fields:
+        if name not in _edit_fields:
+            raise bad_request(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+    for name in STRUCTURED_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, str):
+            try:
+                fields[name] = json.loads(value)
+            except ValueError:
+                raise bad_request(f"Invalid value for '{name}': expected JSON "
+                                  f"({'an object' if name == 'loras' else '[a, b]'}).", name) from None
+    try:
+        req = msgspec.convert(fields, ImageEditRequest, strict=False)
+    except msgspec.ValidationError as exc:
+        raise decode_error(exc) from None
+    image, mask = files.get("image"), files.get("mask")
+    if image is None:
+        raise bad_request("Missing required parameter: 'image' (the image to edit, as a file).", "image",
+                          "missing_required_parameter")
+    for name, data in (("image", image), ("mask", mask)):
+        if data is not None and not data:
+            raise bad_request(f"Invalid value for '{name}': the file is empty.", name)
+        if data is not None and max_input_bytes and len(data) > max_input_bytes:
+            raise bad_request(f"Invalid value for '{name}': {len(data)} bytes, more than the engine takes "
+                              f"({max_input_bytes} bytes per image).", name)
+    return _generation(req, served_models, image=image, mask=mask, strength=req.strength)
+
+
+def image_bytes(params: GenerateParams, native_size: int, default_hw: tuple[int, int] | None = None) -> int:
     """The engine's reservation for one PNG of this request (engine.protocol.output_nbytes)."""
-    height, width = params.height or native_size, params.width or native_size
+    default_h, default_w = default_hw or (native_size, native_size)
+    height, width = params.height or default_h, params.width or default_w
     return output_nbytes("png", height, width, ())
 
 
@@ -188,8 +352,9 @@ def check_fits(gen: Generation, budget_bytes: int, native_size: int) -> None:
     if budget_bytes <= 0 or native_size <= 0:  # an engine that does not say: it decides
         return
     params = gen.params[0]
-    one = image_bytes(params, native_size)
-    size = f"{params.width or native_size}x{params.height or native_size}"
+    one = image_bytes(params, native_size, gen.default_hw)
+    default_h, default_w = gen.default_hw or (native_size, native_size)
+    size = f"{params.width or default_w}x{params.height or default_h}"
     limit = f"the {budget_bytes} bytes of output one caller may hold on the engine"
     if one > budget_bytes:
         raise bad_request(f"Invalid value for 'size': one {size} image needs up to {one} bytes, more than {limit}; "
@@ -216,7 +381,7 @@ _EMPTY_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "
 def timings_dict(t: Timings) -> dict:
     return {"queue_s": t.queue_s, "encode_s": t.encode_s, "denoise_s": t.denoise_s,
             "decode_wait_s": t.decode_wait_s, "decode_s": t.decode_s, "total_s": t.total_s,
-            "evals": t.evals, "padded_evals": t.padded_evals}
+            "evals": t.evals, "padded_evals": t.padded_evals, "image_encode_s": t.image_encode_s}
 
 
 def images_response(images: list[tuple[str, int, Timings]], size: str, created: int | None = None) -> bytes:
@@ -233,18 +398,19 @@ def images_response(images: list[tuple[str, int, Timings]], size: str, created: 
     })
 
 
-def partial_image_event(b64: str, index: int, size: str, step: int | None = None, total: int | None = None) -> bytes:
-    event = {"type": "image_generation.partial_image", "b64_json": b64, "partial_image_index": index,
+def partial_image_event(b64: str, index: int, size: str, step: int | None = None, total: int | None = None,
+                        kind: str = "image_generation") -> bytes:
+    event = {"type": f"{kind}.partial_image", "b64_json": b64, "partial_image_index": index,
              "created_at": int(time.time()), "size": size, "quality": "auto", "background": "opaque",
              "output_format": "png"}
     if step is not None:
         event["step"], event["total_steps"] = step, total
-    return sse("image_generation.partial_image", event)
+    return sse(f"{kind}.partial_image", event)
 
 
-def completed_event(b64: str, size: str, timings: Timings, seed: int) -> bytes:
-    return sse("image_generation.completed", {
-        "type": "image_generation.completed", "b64_json": b64, "created_at": int(time.time()), "size": size,
+def completed_event(b64: str, size: str, timings: Timings, seed: int, kind: str = "image_generation") -> bytes:
+    return sse(f"{kind}.completed", {
+        "type": f"{kind}.completed", "b64_json": b64, "created_at": int(time.time()), "size": size,
         "quality": "auto", "background": "opaque", "output_format": "png", "usage": _EMPTY_USAGE,
         "seed": seed, "timings": timings_dict(timings)})
 
@@ -253,9 +419,13 @@ def sse(event: str, data: dict) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
 
 
-def models_response(models: tuple[str, ...], created: int) -> bytes:
-    return _encoder.encode({"object": "list", "data": [
-        {"id": m, "object": "model", "created": created, "owned_by": "diffslot"} for m in models]})
+def models_response(models: tuple[str, ...], created: int, adapters: list[str] = ()) -> bytes:
+    """The served model, then its LoRA adapters (`parent`: the model; ask for one with
+    `extra_body={"loras": {name: scale}}`), as vLLM lists its LoRA modules."""
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "diffslot"} for m in models]
+    data += [{"id": name, "object": "model", "created": created, "owned_by": "diffslot", "type": "lora",
+              "parent": models[0] if models else None} for name in adapters]
+    return _encoder.encode({"object": "list", "data": data})
 
 
 # ----------------------------------------------------------------------------- the OpenAPI schema
@@ -295,6 +465,8 @@ class Model(msgspec.Struct):
     object: str
     created: int
     owned_by: str
+    type: str | None = None  # "lora" for an adapter
+    parent: str | None = None  # an adapter's model
 
 
 class ModelList(msgspec.Struct):
@@ -314,7 +486,8 @@ SCHEMA_REF = "#/components/schemas/{name}"
 def openapi_components() -> dict[str, dict]:
     """`components.schemas` of the gateway's OpenAPI document."""
     _, components = msgspec.json.schema_components(
-        [ImageGenerationRequest, ErrorResponse, ImagesResponse, ModelList, Health], ref_template=SCHEMA_REF)
+        [ImageGenerationRequest, ImageEditRequest, ErrorResponse, ImagesResponse, ModelList, Health],
+        ref_template=SCHEMA_REF)
     return components
 
 

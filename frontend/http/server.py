@@ -33,6 +33,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "DIFFSLOT_API_KEYS (comma-separated)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="B",
                     help="largest request body; larger ones get 413 (default 1 MiB)")
+    ap.add_argument("--max-upload-bytes", type=int, default=33 << 20, metavar="B",
+                    help="largest /v1/images/edits form (image and mask files); larger ones get 413 "
+                         "(default 33 MiB: two of the engine's 16 MiB inputs)")
     ap.add_argument("--rate-limit", type=float, default=0.0, metavar="R",
                     help="requests per second per caller (API key, else client address); 0 = no limit")
     ap.add_argument("--rate-burst", type=float, default=None, metavar="N",
@@ -71,7 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     link = EngineLink(args.engine, connect_timeout_s=args.connect_timeout, model_name=args.model_name,
                       max_callers=args.max_callers)
     app = create_app(link, api_keys=keys, max_body_bytes=args.max_body_bytes, rate_limit=args.rate_limit,
-                     rate_burst=args.rate_burst)
+                     rate_burst=args.rate_burst, max_upload_bytes=args.max_upload_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
