@@ -23,6 +23,7 @@ import numpy as np
 from engine.serve import transport
 from frontend.launcher import launched_engine
 from engine.models.shapes.draw import PROMPTS as SHAPES_PROMPTS
+from engine.protocol import SEGMENT_PREFIX
 
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")  # the mix the demo runs (of engine.protocol.SAMPLERS)
 STEPS = (8, 15, 25, 40)
@@ -162,7 +163,7 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
     print(f"\n{len(results)} requests in {wall:.2f}s wall; useful/total evals "
           f"{stats.get('useful_ratio', float('nan')):.3f}; grid written to {out_path}")
 
-    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"diffslot-{engine_pid}")] \
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"{SEGMENT_PREFIX}{engine_pid}")] \
         if os.path.isdir("/dev/shm") else []
     if leftovers:
         print(f"error: shared memory left behind: {leftovers}", file=sys.stderr)

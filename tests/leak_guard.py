@@ -9,6 +9,7 @@ import pathlib
 import re
 
 from engine.processes import pid_alive
+from engine.protocol import SEGMENT_PREFIX
 
 SHM = pathlib.Path("/dev/shm")
 # long-lived helpers that multiprocessing itself keeps for the whole session
@@ -28,7 +29,7 @@ def _segments() -> set[str]:
 def _leaked(name: str) -> bool:
     """A segment is this run's leak when its owner (the pid in `diffslot-<pid>-...`) is
     this process or is dead; another live engine's segment on the machine is not ours."""
-    match = re.match(r"diffslot-(?:test-)?(\d+)", name)
+    match = re.match(rf"{re.escape(SEGMENT_PREFIX)}(?:test-)?(\d+)", name)
     if not match:
         return True
     pid = int(match.group(1))
