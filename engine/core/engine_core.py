@@ -75,9 +75,8 @@ class EngineCore:
 
     def _make_ledger(self) -> Ledger:
         """Budgets by default: `slots` native requests' trajectories (with their image rows,
-        `_image_headroom`), and the output bytes of
-        `slots + decode_buffers` native outputs of the largest kind, so that free slots never
-        idle for want of output bytes."""
+        `_image_headroom`), and the output bytes of `slots + decode_buffers` native outputs
+        of the largest kind, so that free slots never idle for want of output bytes."""
         native = self.geometry.native_size
         shape = self.geometry.latent_shape(native, native)
         trajectory = reservation_for(shape, native, native, "uint8", 2 * self.model.conditioning_nbytes)
