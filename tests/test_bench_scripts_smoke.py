@@ -1,0 +1,39 @@
+"""Smoke: the decode-stage and admission-policy benchmarks run as scripts (`--quick`) and
+print a row for every configuration with plausible numbers."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, tmp_path, *args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), "--quick", "--threads", "1", *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.timeout(300)
+def test_decode_modes_quick(tmp_path):
+    lines = run_script("decode_modes.py", tmp_path)
+    rows = {line[:14].strip(): line[14:].split() for line in lines if line[:14].strip() in
+            ("latent", "png inline", "png thread", "png worker")}
+    assert set(rows) == {"latent", "png inline", "png thread", "png worker"}, lines
+    assert float(rows["latent"][1]) == 1.0
+    for name, (goodput, ratio, call_ms, rows_per_call, share) in rows.items():
+        assert float(goodput) > 0 and float(ratio) > 0 and float(rows_per_call) >= 1, (name, lines)
+
+
+@pytest.mark.timeout(300)
+def test_policies_quick(tmp_path):
+    lines = run_script("policies.py", tmp_path)
+    rows = [line.split() for line in lines if line.split()[:1] in (["overload"], ["below"])]
+    assert sorted((r[0], r[1]) for r in rows) == [("below", "fifo"), ("below", "srpt"),
+                                                  ("overload", "fifo"), ("overload", "srpt")], lines
+    for row in rows:
+        assert all(float(v) > 0 for v in row[2:]), row
