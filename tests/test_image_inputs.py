@@ -27,7 +27,7 @@ from engine.core.outputs import RequestFailed
 from engine.core.solvers import build_schedule, make_scheduler
 from engine.models.loading import StableDiffusionModel, load_model
 from engine.protocol import GenerateParams
-from engine.testing.pipeline_oracle import pipeline_output_of
+from engine.testing.pipeline_oracle import model_of, pipeline_output_of, rel_l2
 from engine.testing.tiny_pipelines import build_class_conditional, build_flux, build_sd, build_sd3, build_sdxl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,18 +49,6 @@ def folders(tmp_path_factory):
     }
 
 
-_MODELS: dict = {}
-
-
-def model_of(folder):
-    if folder not in _MODELS:
-        _MODELS[folder] = load_model(folder)
-    return _MODELS[folder]
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:

@@ -14,7 +14,7 @@ from engine.core.fences import DeferredFences
 from engine.decode.stage import postprocess
 from engine.models.loading import StableDiffusion3Model, StableDiffusionModel, load_model
 from engine.protocol import GenerateParams
-from engine.testing.pipeline_oracle import pipeline_output
+from engine.testing.pipeline_oracle import model_of, pipeline_output, rel_l2
 from engine.testing.tiny_pipelines import build_sd, build_sd3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,18 +37,6 @@ def folders(tmp_path_factory):
     }
 
 
-_MODELS: dict = {}
-
-
-def model_of(folder):
-    if folder not in _MODELS:
-        _MODELS[folder] = load_model(folder)
-    return _MODELS[folder]
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def run(core: EngineCore, params: dict[str, GenerateParams]) -> dict:

@@ -20,7 +20,7 @@ from engine.models.geometry import geometry_of
 from engine.models.loading import load_model, model_inputs
 from engine.models.sdxl import StableDiffusionXLModel
 from engine.protocol import GenerateParams
-from engine.testing.pipeline_oracle import load_pipeline, pipeline_output_of
+from engine.testing.pipeline_oracle import load_pipeline, model_of, pipeline_output_of, rel_l2
 from engine.testing.tiny_pipelines import build_flux, build_sdxl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,18 +41,6 @@ def folders(tmp_path_factory):
     }
 
 
-_MODELS: dict = {}
-
-
-def model_of(folder):
-    if folder not in _MODELS:
-        _MODELS[folder] = load_model(folder)
-    return _MODELS[folder]
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def params(**fields) -> GenerateParams:

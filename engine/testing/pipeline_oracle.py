@@ -147,3 +147,21 @@ def _pil(data: bytes):
     image = Image.open(io.BytesIO(data))
     image.load()
     return image
+
+
+_MODELS: dict = {}
+
+
+def model_of(folder):
+    """The engine's model of a test folder, loaded once per process (tests share it)."""
+    from engine.models.loading import load_model
+
+    if folder not in _MODELS:
+        _MODELS[folder] = load_model(folder)
+    return _MODELS[folder]
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 error of `a` against `b`, in float64."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
