@@ -5,10 +5,14 @@ first, aged by the bypass bound), side by side on the same traces.
 
 The embedded `shapes` text model, `latent` outputs (the denoiser isolated), steps 4/20/50
 in turn, samplers and guidance mixed, driven through the engine's own loop (`add_request`
-at each request's arrival time, `step()`). Two traces: `overload` (every request arrives
-at once: the queue is as long as it gets) and `below` (Poisson arrivals at 0.6 × the
-capacity the overload run measured). Reported per policy: p50 time to usable output of
-the 4-step requests, p99 of the 50-step requests, the mean over all, and goodput.
+at each request's arrival time, `step()`). Three traces: `burst` (every request arrives
+at once: the queue is as long as it gets), `saturated` (Poisson arrivals at `--rate`,
+default 40/s, several times the capacity: long requests hold slots when short ones
+arrive) and `below` (Poisson arrivals at 0.6 × the capacity the burst measured).
+Reported per policy: p50 time to usable output of the 4-step requests, p99 of the 50-step
+requests, the mean over all, and goodput; and `idle`, a 4-step request alone on an idle
+engine (median of 5), the reference of the target "4-step p50 under overload within 3× of
+idle, long p99 within 1.5× FIFO's".
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from engine.models.shapes.draw import PROMPTS
 from engine.protocol import GenerateParams
 
 SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
+POLICIES = {"fifo": dict(policy="fifo"), "srpt": dict(policy="srpt")}  # name → CoreConfig fields
 
 
 def trace(n: int, rate: float | None, seed: int = 0) -> list[tuple[float, str, GenerateParams]]:
@@ -41,7 +46,7 @@ def trace(n: int, rate: float | None, seed: int = 0) -> list[tuple[float, str, G
 
 
 def run(model, jobs, policy: str, slots: int) -> dict:
-    core = EngineCore(model, CoreConfig(slots=slots, policy=policy, max_queue=len(jobs) + 1,
+    core = EngineCore(model, CoreConfig(slots=slots, **POLICIES[policy], max_queue=len(jobs) + 1,
                                         decode_buffers=2 * slots))
     steps_of = {rid: p.steps for _, rid, p in jobs}
     arrival_of = {rid: arrival for arrival, rid, _ in jobs}
@@ -70,12 +75,24 @@ def run(model, jobs, policy: str, slots: int) -> dict:
                 goodput=len(ttuo) / wall)
 
 
+def idle_short(model, slots: int, n: int = 5) -> float:
+    """A 4-step request alone on an idle engine: its time to usable output."""
+    out = []
+    for k in range(n + 1):  # the first warms the schedule cache
+        jobs = [(0.0, f"idle{k}", GenerateParams(prompt=PROMPTS[k % len(PROMPTS)], steps=4, sampler=SAMPLERS[k % 4],
+                                                   guidance=3.0, seed=k, output="latent"))]
+        out.append(run(model, jobs, "fifo", slots)["short_p50"])
+    return statistics.median(out[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=40.0, help="arrivals/s of the saturated trace")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="of " + ", ".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="15 requests, one repeat")
     args = parser.parse_args()
     if args.quick:
@@ -84,20 +101,28 @@ def main() -> None:
     model = load_model("shapes")
     results = {}
     capacity = None
-    for name in ("overload", "below"):
+    policies = args.policies.split(",")
+    idle = []
+    for name in ("burst", "saturated", "below"):
         for repeat in range(args.repeats):
-            for policy in ("fifo", "srpt"):
-                rate = None if name == "overload" else 0.6 * capacity
+            idle.append(idle_short(model, args.slots))
+            for policy in policies[repeat % 2:] + policies[:repeat % 2]:  # alternate who runs first
+                rate = {"burst": None, "saturated": args.rate}.get(name, 0.6 * capacity if capacity else None)
                 r = run(model, trace(args.requests, rate, seed=repeat), policy, args.slots)
                 results.setdefault((name, policy), []).append(r)
-        if name == "overload":
-            capacity = statistics.median(r["goodput"] for r in results[("overload", "fifo")])
+        if name == "burst":
+            capacity = statistics.median(r["goodput"] for r in results[("burst", policies[0])])
+    idle_s = statistics.median(idle)
     print(f"{args.requests} requests (steps 4/20/50), {args.slots} slots, {args.threads} torch threads, "
           f"{args.repeats} repeats (medians; seconds of time to usable output)")
-    print(f"{'trace':<9} {'policy':<6} {'4-step p50':>11} {'50-step p99':>12} {'mean':>7} {'goodput img/s':>14}")
-    for (name, policy), runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{name:<9} {policy:<6} {med['short_p50']:>11.3f} {med['long_p99']:>12.3f} {med['mean']:>7.3f} "
+    print(f"idle: a 4-step request alone {idle_s:.3f} s (median of {len(idle)} medians)")
+    print(f"{'trace':<10} {'policy':<13} {'4-step p50':>11} {'/ idle':>7} {'50-step p99':>12} {'/ fifo':>7} "
+          f"{'mean':>7} {'goodput img/s':>14}")
+    medians = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in results.items()}
+    for (name, policy), med in medians.items():
+        fifo = medians.get((name, "fifo"), med)
+        print(f"{name:<10} {policy:<13} {med['short_p50']:>11.3f} {med['short_p50'] / idle_s:>7.2f} "
+              f"{med['long_p99']:>12.3f} {med['long_p99'] / fifo['long_p99']:>7.2f} {med['mean']:>7.3f} "
               f"{med['goodput']:>14.2f}")
 
 

@@ -1,11 +1,13 @@
 """The workload's arrival schedule and the client processes that replay it.
 
 `make_schedule` draws one seeded schedule (Poisson arrivals or a burst) that every system
-replays; `ClientPool` keeps `n` client processes (multiprocessing spawn, one
-`frontend.Client` each, the last one slow: its IO thread waits before taking each
-result, so results pile up in the engine's per-client backlog) across all runs;
-`StatsSampler` polls the engine's Stats; `warm_up` makes a fresh engine ready.
-Torch-free: client processes import this module.
+replays (`with_output` sends the same schedule with another output kind); `ClientPool`
+keeps `n` client processes (multiprocessing spawn, one `frontend.Client` each, the last one
+slow: its IO thread waits before taking each result, so results pile up in the engine's
+per-client backlog) across all runs; `usable` judges a result (a PNG of the expected size,
+or a finite float32 latent of the expected shape); `StatsSampler` polls the engine's Stats;
+`warm_up` makes a fresh engine ready; `idle_latency` times single shortest-class requests
+sent one at a time to an idle engine. Torch-free: client processes import this module.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_module
+import struct
 import threading
 import time
 import traceback
@@ -23,13 +26,19 @@ MIXED_SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 GUIDANCES = (1.0, 3.0, 7.5)
 STEP_SHARES = (0.4, 0.35, 0.25)  # of the three step classes, shortest first
 STATS_INTERVAL_S = 0.2
+OUTPUTS = ("png", "latent")  # the output kinds a workload's requests ask for
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def make_schedule(seed: int, rate: float | None, duration: float, clients: int, prompts: list[str],
-                  step_classes: tuple[int, ...], cancel_share: float, count: int | None = None) -> list[dict]:
+                  step_classes: tuple[int, ...], cancel_share: float, count: int | None = None,
+                  output: str = "png") -> list[dict]:
     """The seeded schedule: Poisson arrivals at `rate` for `duration` s, or (rate None) a
     burst of `count` requests at t = 0. `clients` counts the slow client (the last index).
-    A share of the longest class is canceled by its client at a step drawn uniformly."""
+    A share of the longest class is canceled by its client at a step drawn uniformly.
+    Every request asks for `output` (png or latent); the draws do not depend on it."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
     rng = np.random.default_rng(seed)
     t, requests = 0.0, []
     while True:
@@ -49,8 +58,40 @@ def make_schedule(seed: int, rate: float | None, duration: float, clients: int, 
             i=len(requests), t=round(float(t), 4), client=int(rng.integers(clients)),
             prompt=str(prompts[rng.integers(len(prompts))]), steps=steps,
             sampler=str(MIXED_SAMPLERS[rng.integers(len(MIXED_SAMPLERS))]), guidance=float(GUIDANCES[rng.integers(len(GUIDANCES))]),
-            seed=int(rng.integers(2**31)), cancel_at=cancel_at))
+            seed=int(rng.integers(2**31)), cancel_at=cancel_at, output=output))
     return requests
+
+
+def with_output(schedule: list[dict], output: str) -> list[dict]:
+    """The same schedule (arrivals, prompts, steps, seeds, cancels) asking for `output`."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+    return [dict(spec, output=output) for spec in schedule]
+
+
+def usable(result, output: str, expect: dict | None) -> bool:
+    """Whether a result is a usable output of the kind asked for: a Completed whose output is
+    PNG bytes (signature, and an IHDR of the expected width × height when `expect` has
+    `size`), or a float32 numpy array of the expected latent shape (`expect["latent_shape"]`),
+    every value finite and not all equal (a zero-filled buffer is not a latent)."""
+    from frontend import Completed
+
+    if not isinstance(result, Completed):
+        return False
+    out, expect = result.output, expect or {}
+    if output == "png":
+        if not isinstance(out, bytes) or out[:8] != PNG_SIGNATURE or out[12:16] != b"IHDR" or len(out) < 24:
+            return False
+        size = expect.get("size")  # (height, width)
+        return size is None or struct.unpack(">II", out[16:24]) == (int(size[1]), int(size[0]))
+    if output == "latent":
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 3 or out.size == 0:
+            return False
+        shape = expect.get("latent_shape")
+        if shape is not None and tuple(out.shape) != tuple(int(d) for d in shape):
+            return False
+        return bool(np.isfinite(out).all()) and float(out.max()) > float(out.min())
+    return False
 
 
 # ---- client processes ----------------------------------------------------------------------
@@ -87,9 +128,10 @@ def _cancel_when(handle, step: int) -> None:
 
 
 def run_client_job(index: int, slow_read_s: float, address: str, t0: float, requests: list[dict],
-                   deadline: float, tag: str) -> list[dict]:
-    """One client's share of a schedule: submit each request at t0 + its time, cancel the
-    marked ones at their step, collect every result."""
+                   deadline: float, tag: str, expect: dict | None = None) -> list[dict]:
+    """One client's share of a schedule: submit each request at t0 + its time (asking for its
+    `output`), cancel the marked ones at their step, collect every result and judge it
+    (`usable`, against `expect`)."""
     import msgspec
 
     from frontend import Client, Completed, EngineDeadError, GenerateParams
@@ -105,8 +147,9 @@ def run_client_job(index: int, slow_read_s: float, address: str, t0: float, requ
             if wait > 0:
                 time.sleep(wait)
             params = GenerateParams(prompt=spec["prompt"], steps=spec["steps"], sampler=spec["sampler"],
-                                    guidance=spec["guidance"], seed=spec["seed"], output="png")
-            record = dict(i=spec["i"], client=index, steps=spec["steps"], submitted=time.monotonic() - t0)
+                                    guidance=spec["guidance"], seed=spec["seed"], output=spec.get("output", "png"))
+            record = dict(i=spec["i"], client=index, steps=spec["steps"], output=params.output,
+                          submitted=time.monotonic() - t0)
             try:
                 handle = client.submit(params, request_id=f"{tag}{spec['i']}", progress=spec["cancel_at"] is not None)
             except Exception as exc:  # the connection is dead: every later submit says so too
@@ -130,7 +173,7 @@ def run_client_job(index: int, slow_read_s: float, address: str, t0: float, requ
                 if hasattr(result, "timings"):
                     record["timings"] = msgspec.structs.asdict(result.timings)
                 if isinstance(result, Completed):
-                    record["usable"] = isinstance(result.output, bytes) and result.output[:8] == b"\x89PNG\r\n\x1a\n"
+                    record["usable"] = usable(result, record["output"], expect)
                 for field in ("reason", "error"):
                     if hasattr(result, field):
                         record["reason"] = getattr(result, field)
@@ -170,9 +213,11 @@ class ClientPool:
             p.start()
 
     def run(self, address: str, t0: float, schedule: list[dict], deadline: float,
-            tag: str) -> tuple[list[dict], list[str]]:
+            tag: str, expect: dict | None = None) -> tuple[list[dict], list[str]]:
+        """Every client replays its share of `schedule` (each request asks for its own
+        `output`); results are judged against `expect` (see `usable`)."""
         for i, commands in enumerate(self.commands):
-            commands.put(dict(address=address, t0=t0, deadline=deadline, tag=tag,
+            commands.put(dict(address=address, t0=t0, deadline=deadline, tag=tag, expect=expect,
                               requests=[r for r in schedule if r["client"] == i]))
         records, errors = [], []
         for _ in self.commands:
@@ -223,19 +268,20 @@ class StatsSampler(threading.Thread):
             self.stopping.wait(max(0.0, next_at - time.monotonic()))
 
 
-def warm_up(client, prompt: str, step_classes: tuple[int, ...]) -> None:
+def warm_up(client, prompt: str, step_classes: tuple[int, ...], output: str = "png") -> None:
     """One short request per sampler (model, decode path, allocator warm), and every
-    (sampler, steps) of the workload submitted once and canceled (schedules built)."""
+    (sampler, steps) of the workload submitted once and canceled (schedules built), all
+    asking for `output`."""
     from frontend import GenerateParams
 
     handles = []
     for k, sampler in enumerate(MIXED_SAMPLERS):
         handles.append(client.submit(GenerateParams(prompt=prompt, steps=min(step_classes), sampler=sampler,
-                                                    guidance=GUIDANCES[k % 3], seed=k, output="png"),
+                                                    guidance=GUIDANCES[k % 3], seed=k, output=output),
                                      progress=False))
         for steps in step_classes[1:]:
             h = client.submit(GenerateParams(prompt=prompt, steps=steps, sampler=sampler, seed=k,
-                                             output="png"), progress=False)
+                                             output=output), progress=False)
             h.accepted(60)
             h.cancel()
             handles.append(h)
@@ -243,3 +289,28 @@ def warm_up(client, prompt: str, step_classes: tuple[int, ...]) -> None:
         result = h.result(timeout=300)
         if type(result).__name__ not in ("Completed", "Canceled"):
             raise RuntimeError(f"warm-up request ended with {result!r}")
+
+
+def idle_latency(client, prompts: list[str], steps: int, output: str, expect: dict | None, n: int = 5,
+                 seed: int = 0, timeout_s: float = 120.0) -> dict:
+    """The idle short latency: `n` single `steps`-step requests (samplers and guidance of the
+    mix in turn) sent one at a time to an idle engine, each after the last one's result.
+    Per request: the engine's time to usable output (`Timings.total_s`, as in the runs) and
+    whether it was usable; `median_s` is over the usable ones (None when none was)."""
+    from frontend import GenerateParams
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for k in range(n):
+        params = GenerateParams(prompt=str(prompts[rng.integers(len(prompts))]), steps=steps,
+                                sampler=MIXED_SAMPLERS[k % len(MIXED_SAMPLERS)], guidance=GUIDANCES[k % len(GUIDANCES)],
+                                seed=int(rng.integers(2**31)), output=output)
+        began = time.monotonic()
+        result = client.submit(params, progress=False).result(timeout=timeout_s)
+        timings = getattr(result, "timings", None)
+        samples.append(dict(kind=type(result).__name__.lower(), usable=usable(result, output, expect),
+                            total_s=getattr(timings, "total_s", None), client_s=time.monotonic() - began,
+                            sampler=params.sampler, guidance=params.guidance))
+    good = sorted(s["total_s"] for s in samples if s["usable"] and s["total_s"] is not None)
+    return dict(steps=steps, output=output, n=n, usable=len(good), samples=samples,
+                median_s=float(np.median(good)) if good else None)

@@ -27,6 +27,9 @@ CORE_FLAGS = {
     "max_queue": flag("--max-queue", metavar="N", help="requests waiting for a slot before Rejected"),
     "policy": flag("--policy", choices=POLICIES,
                    help="admission order: fifo, or srpt (least remaining work first, aged so none starves)"),
+    "srpt_aging": flag("--srpt-aging", metavar="X",
+                       help="srpt: the work admitted while a request waits is at most X × (the work queued ahead "
+                            "of it + its own); then it goes first"),
     "cuda_graphs": flag("--no-cuda-graphs", negate=True,
                         help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
                              "CUDA graph per bucket"),

@@ -32,8 +32,11 @@ def test_decode_modes_quick(tmp_path):
 @pytest.mark.timeout(300)
 def test_policies_quick(tmp_path):
     lines = run_script("policies.py", tmp_path)
-    rows = [line.split() for line in lines if line.split()[:1] in (["overload"], ["below"])]
-    assert sorted((r[0], r[1]) for r in rows) == [("below", "fifo"), ("below", "srpt"),
-                                                  ("overload", "fifo"), ("overload", "srpt")], lines
+    traces = (["burst"], ["saturated"], ["below"])
+    rows = [line.split() for line in lines if line.split()[:1] in traces]
+    assert sorted((r[0], r[1]) for r in rows) == [(t, p) for t in ("below", "burst", "saturated")
+                                                  for p in ("fifo", "srpt")], lines
     for row in rows:
         assert all(float(v) > 0 for v in row[2:]), row
+    idle = [line for line in lines if line.startswith("idle:")]
+    assert len(idle) == 1 and float(idle[0].split()[5]) > 0, lines

@@ -173,7 +173,8 @@ def run_mixed_against_reference(model, core: EngineCore) -> "Driver":
 @pytest.mark.parametrize("admission", ADMISSIONS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mixed_group_equals_reference(model, layout, admission):
-    core = EngineCore(model, CoreConfig(slots=3, layout=layout, admission=admission))
+    # the schedule below is FIFO's (SRPT's own order is tested in test_scheduler.py)
+    core = EngineCore(model, CoreConfig(slots=3, layout=layout, admission=admission, policy="fifo"))
     d = Driver(core)
     d.run(MIXED)
     params = {rid: p for batch in MIXED.values() for rid, p in batch}
@@ -233,7 +234,7 @@ def test_prediction_types_mixed(prediction, samplers):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cancel_long_request_beside_short_ones(model, layout):
-    core = EngineCore(model, CoreConfig(slots=3, layout=layout))
+    core = EngineCore(model, CoreConfig(slots=3, layout=layout, policy="fifo"))  # arrival order: s4 waits
     short = {"s1": P("a green square", 5, "euler", 3.0, 1), "s2": P("a blue triangle", 2, "ddim", 1.0, 2),
              "s3": P("a red circle", 5, "euler_ancestral", 3.0, 3), "s4": P("a green square", 4, "dpmpp_2m", 2.0, 4)}
     arrivals = {0: [("long", P("a red circle", 50, "dpmpp_2m", 3.0, 9)), ("s1", short["s1"]), ("s2", short["s2"])],
@@ -571,7 +572,7 @@ def test_timings_exact_with_a_step_clock():
         return run(*args)
 
     m.run = ticking
-    core = EngineCore(m, CoreConfig(slots=1, layout="padded"), clock=clock)
+    core = EngineCore(m, CoreConfig(slots=1, layout="padded", policy="fifo"), clock=clock)  # r1 first
     r1, r2 = P("a red circle", 2, "euler", 3.0, 1), P("a green square", 3, "ddim", 1.0, 2)
     core.add_request("r1", r1)  # both arrive at t=0
     core.add_request("r2", r2)
@@ -586,7 +587,7 @@ def test_timings_exact_with_a_step_clock():
 
 
 def test_engine_stats(model):
-    core = EngineCore(model, CoreConfig(slots=2))
+    core = EngineCore(model, CoreConfig(slots=2, policy="fifo"))  # a and b admitted first
     assert core.stats()["slot_occupancy"] == 0.0 and core.stats()["useful_ratio"] == 1.0
     a, b, c = P("a red circle", 5, "euler", 3.0, 1), P("a green square", 5, "ddim", 1.0, 2), P("", 3, "euler", 3.0, 3)
     for rid, p in (("a", a), ("b", b), ("c", c)):

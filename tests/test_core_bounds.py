@@ -90,7 +90,7 @@ def test_a_request_that_cannot_fit_now_does_not_block_the_ones_behind_it():
     model = tiny_model("epsilon")
     native = model.native_size
     one = EngineCore(model, CoreConfig(slots=4)).ledger.capacity.trajectory_bytes // 4
-    core = EngineCore(model, CoreConfig(slots=4, trajectory_budget_bytes=4 * one, bypass_limit=3))
+    core = EngineCore(model, CoreConfig(slots=4, trajectory_budget_bytes=4 * one, bypass_limit=3, policy="fifo"))
     core.add_request("long", GenerateParams(prompt="a red circle", steps=40, guidance=3.0, output="latent"))
     core.add_request("wide", GenerateParams(prompt="a red circle", steps=2, guidance=3.0, height=native,
                                             width=4 * native, output="latent"))  # needs 4 native shares

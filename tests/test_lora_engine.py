@@ -141,7 +141,7 @@ def test_a_full_adapter_pool_makes_admission_wait_and_evicts_only_unreferenced(s
     pool.uninstall()  # one pool per model
     tight = AdapterPool(model, lora_dir, budget_bytes=max(sizes["A"], sizes["B"]))  # one of A, B at a time
     try:
-        core = EngineCore(model, CoreConfig(slots=4), adapters=tight)
+        core = EngineCore(model, CoreConfig(slots=4, policy="fifo"), adapters=tight)  # a first, in arrival order
         core.add_request("a", p("a red circle", {"A": 1.0}, 1, steps=6))
         core.add_request("b", p("a blue cat", {"B": 1.0}, 2, steps=2))
         core.step()

@@ -82,6 +82,31 @@ def test_request_alone_equals_the_pipeline(folders, name, sampler):
         assert core.stats()["useful_evals"] == evaluations * (2 if guidance > 1 else 1)
 
 
+@pytest.mark.timeout(300)
+def test_pndm_at_guidance_1_under_graphs_equals_the_pipeline(folders):
+    """SD 1.5's own PNDM keeps the model outputs it is given (`ets`) and the sample it
+    started from; under a graph every replay rewrites one output buffer, so a kept view
+    would silently turn into the next step's output. At guidance 1 the single row goes to
+    the scheduler unguided — the case where nothing else makes a copy. `EagerCapture`
+    has the graph's contract: one static output buffer, rewritten by every replay."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+
+    folder = folders["sd-pndm"]
+    model = model_of(folder)
+    rng = random.Random()
+    cases = {f"r{k}": GenerateParams(prompt=rng.choice(PROMPTS[:4]), steps=rng.choice([5, 7]), guidance=1.0,
+                                     seed=rng.randrange(10_000), output="latent") for k in range(3)}
+    core = EngineCore(model, CoreConfig(slots=2, layout="bucketed", max_queue=8))
+    capture = EagerCapture()
+    core.graphed = GraphedDenoiser(model, capture)
+    results = run(core, cases)
+    assert capture.captures >= 1 and core.graphed.replays == core.batches  # every call went through a graph
+    for rid, p in cases.items():
+        want = pipeline_output(folder, "default", p.prompt, p.steps, 1.0, p.seed)
+        err = rel_l2(results[rid], want)
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["sd-ddim", "sd-pndm", "sd3"])
 def test_shared_batches_with_late_joins_and_cancels_equal_the_pipeline(folders, name):

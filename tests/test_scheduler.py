@@ -131,6 +131,31 @@ def test_srpt_admits_least_remaining_work_first_and_ages_bypassed_requests():
     assert ids(scheduler.admit()) == ["long"]
 
 
+@pytest.mark.parametrize("aging", [0.5, 2.0, 5.0])
+def test_srpt_aging_bounds_the_work_admitted_ahead_of_a_long_request(aging):
+    """A steady stream of short requests behind a long one: SRPT lets them pass, but only
+    until the work admitted since the long one arrived exceeds `srpt_aging` × (the work
+    queued ahead of it + its own); then it is admitted, whatever still waits."""
+    scheduler, _, _ = create_scheduler(slots=1, policy="srpt", srpt_aging=aging)
+    scheduler.add(create_request("first", steps=4))
+    running = scheduler.admit()[0]
+    scheduler.add(create_request("ahead", steps=10))  # 20 evaluations queued ahead of the long one
+    scheduler.add(create_request("long", steps=50))  # 100 evaluations
+    bound = aging * (20 + 100)
+    mark, k = scheduler.admitted_evals, 0
+    while scheduler.requests["long"].status is RequestStatus.QUEUED:
+        scheduler.add(create_request(f"s{k}", steps=4))  # 8 evaluations each, always the shortest
+        k += 1
+        since = scheduler.admitted_evals - mark  # admitted while the long one waited
+        scheduler.release_slot(running)
+        scheduler.ledger.give_back_decode(running.reservation)  # its output decoded
+        running = scheduler.admit()[0]
+        assert k < 200, "the long request starved"
+    assert k > 1 and scheduler.requests["s0"].status is not RequestStatus.QUEUED  # shorter ones did pass it
+    assert bound < since <= bound + 20, (since, bound)  # admitted at the first boundary past its bound
+    assert len(scheduler.queue) >= 1  # with shorter work still waiting
+
+
 def test_idle_groups_are_evicted_beyond_the_bound_and_busy_ones_never():
     scheduler, _, made = create_scheduler(slots=1, max_groups=2)
     sizes = [(4, 8 * k, 8) for k in range(1, 5)]
@@ -186,7 +211,7 @@ def test_abort_of_a_queued_request_ends_it_at_once_and_a_running_one_drains():
 
 
 def test_launched_advances_each_slot_and_marks_the_last_step_finishing():
-    scheduler, _, _ = create_scheduler(slots=2)
+    scheduler, _, _ = create_scheduler(slots=2, policy="fifo")
     scheduler.add(create_request("two", steps=2))
     scheduler.add(create_request("three", steps=3, guided=False))
     scheduler.admit()

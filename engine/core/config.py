@@ -23,9 +23,13 @@ class CoreConfig:
     device: str = "cpu"
     embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse (R14)
     embedding_cache_bytes: int = 256 << 20  # and at most this many bytes of them (R22)
-    policy: str = "fifo"  # admission order: fifo, or srpt (least remaining evaluations first, aged)
+    # admission order: srpt (least remaining evaluations first, aged: see engine.core.scheduler;
+    # measured in bench/RESULTS.md), or fifo
+    policy: str = "srpt"
     max_groups: int = 8  # live slot groups (one per latent shape); idle ones are evicted beyond it
     bypass_limit: int = 8  # later requests that may pass one waiting for memory before it blocks
+    # srpt: work admitted while a request waits, at most this × (work queued ahead of it + its own)
+    srpt_aging: float = 2.0
     oom_recovery_batches: int = 64  # batches at a lowered row limit before it doubles back
     max_schedules: int = 1024  # cached schedules (sampler, steps, size options)
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
@@ -42,6 +46,7 @@ class CoreConfig:
         if self.decode_buffers is None:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
-                or self.embedding_cache_entries < 1 or self.max_groups < 1 or self.max_input_bytes < 1:
-            raise ValueError("slots, decode_buffers, max_steps and embedding_cache_entries must be positive, "
-                             "max_queue non-negative")
+                or self.embedding_cache_entries < 1 or self.max_groups < 1 or self.max_input_bytes < 1 \
+                or self.srpt_aging < 0:
+            raise ValueError("slots, decode_buffers, max_steps, embedding_cache_entries, max_groups and "
+                             "max_input_bytes must be positive, max_queue and srpt_aging non-negative")

@@ -50,6 +50,8 @@ class Request:
     slot: int = -1
     admitted_at: float = 0.0
     bypassed: int = 0  # requests admitted past it while it waited for memory (bounded)
+    work_ahead: int = 0  # evaluations queued ahead of it when it arrived (SRPT's aging bound)
+    admitted_mark: int = 0  # the scheduler's admitted evaluations when it arrived
     steps_at_release: int = 0  # its slot's step index when the slot was released
     timings: Timings = dataclasses.field(default_factory=Timings)
 

@@ -11,6 +11,13 @@ recently served first, to make room for a new key); a request that does not fit 
 memory now lets at most `bypass_limit` later requests pass it, then admission waits for
 it (no starvation); after the device ran out of memory, the row limit per call recovers
 by doubling once `oom_recovery_batches` batches ran at the lower limit.
+
+Admission order (`policy`): FIFO, or SRPT — least remaining evaluations first, aged: the
+work admitted while a request waits is at most `srpt_aging` × (the work queued ahead of
+it when it arrived, which FIFO would have admitted first, + its own); past that it goes
+first, in arrival order among the aged. On a saturated engine time is proportional to
+work, so a request waits at most about `srpt_aging` times as long as FIFO would make it
+wait (plus its own service), whatever the stream of shorter requests behind it.
 """
 from __future__ import annotations
 
@@ -45,6 +52,8 @@ class Scheduler:
         self._batches_at_limit = 0
         self.group_wait_max = 0  # head-of-line blocking: most batches a runnable group waited
         self.counters = collections.Counter()
+        self.queued_evals = 0  # remaining evaluations of the queued requests
+        self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
 
     # ---- requests in ----------------------------------------------------------------
 
@@ -55,7 +64,13 @@ class Scheduler:
             self.counters["rejected_full"] += 1
             raise RequestRejected(f"queue full ({self.config.max_queue} waiting)", None)
         self.requests[request.request_id] = request
+        request.work_ahead, request.admitted_mark = self.queued_evals, self.admitted_evals
+        self.queued_evals += request.remaining_evals
         self.queue.append(request)
+
+    def _dequeue(self, request: Request) -> None:
+        self.queue.remove(request)
+        self.queued_evals -= request.remaining_evals
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Mark each live request canceled. Returns the running ones: their slots drain
@@ -70,7 +85,7 @@ class Scheduler:
             self.counters["canceled_evals"] += request.timings.evals
             log.info("request %s canceled while %s", rid, request.status.value)
             if request.status is RequestStatus.QUEUED:
-                self.queue.remove(request)
+                self._dequeue(request)
                 self.end(request)
             elif request.status is RequestStatus.RUNNING:
                 request.group.runnable[request.slot] = False
@@ -98,12 +113,20 @@ class Scheduler:
         """Slots a group may use: all, until the device ran out of memory."""
         return self.config.slots if self.row_limit is None else max(1, self.row_limit // 2)
 
+    def aged(self, request: Request) -> bool:
+        """SRPT's bound reached: passed `bypass_limit` times while it waited for memory, or
+        more work admitted since it arrived than `srpt_aging` × (the work ahead of it + its own)."""
+        admitted_since = self.admitted_evals - request.admitted_mark
+        return request.bypassed >= self.config.bypass_limit or \
+            admitted_since > self.config.srpt_aging * (request.work_ahead + request.remaining_evals)
+
     def _candidates(self) -> list[Request]:
-        """The queue in admission order: FIFO, or (srpt) least remaining evaluations first,
-        with any request already passed `bypass_limit` times first of all (aging)."""
+        """The queue in admission order: FIFO, or (srpt) the aged first in arrival order,
+        then least remaining evaluations first."""
         if self.config.policy == "fifo":
             return list(self.queue)
-        return sorted(self.queue, key=lambda r: (r.bypassed < self.config.bypass_limit, r.remaining_evals))
+        order = [(0, k) if self.aged(r) else (1, r.remaining_evals) for k, r in enumerate(self.queue)]
+        return [r for _, r in sorted(zip(order, self.queue), key=lambda pair: pair[0])]
 
     def admit(self) -> list[Request]:
         """Place what fits at this step boundary; returns the placed requests (whose
@@ -129,7 +152,8 @@ class Scheduler:
                 continue
             for waiting in waiting_for_memory:
                 waiting.bypassed += 1
-            self.queue.remove(request)
+            self._dequeue(request)
+            self.admitted_evals += request.remaining_evals
             self.ledger.take(request.reservation)
             self._place(request, group, slot)
             placed.append(request)
@@ -152,7 +176,7 @@ class Scheduler:
         try:
             group = self.make_group(key, request.latent_shape)
         except MemoryError as exc:  # the allocation fails the request that needed it, not the engine
-            self.queue.remove(request)
+            self._dequeue(request)
             self.fail(request, f"no memory for a group of its size ({exc})")
             self.end(request)
             return None

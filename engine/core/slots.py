@@ -14,6 +14,16 @@ from engine.core.solvers import NUM_COEFS
 from engine.models.inputs import ModelInputs
 
 
+def upload(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy host data into device storage without blocking the host: a `non_blocking` copy
+    from pageable memory is a synchronous staged copy on CUDA, so the source is put in
+    page-locked memory first (torch's host allocator keeps that block until the copy's
+    stream has passed it)."""
+    if destination.is_cuda and not source.is_cuda and not source.is_pinned():
+        source = source.contiguous().pin_memory()
+    destination.copy_(source, non_blocking=True)
+
+
 class Group(SlotMap):
     """Slot storage for one group key: latents, history, per-slot solver tables, the
     slots' prompt-row references and request inputs. Written only by `place` / `release`."""
@@ -68,7 +78,7 @@ class Group(SlotMap):
         self.divisor_table[slot, :n] = schedule.input_divisor
         self.masked[slot] = self.channels_last[slot] = False
         if request.image_inputs is None:
-            self.latents[slot].copy_(request.trajectory.initial_latents().reshape(-1), non_blocking=True)
+            upload(self.latents[slot], request.trajectory.initial_latents().reshape(-1))
         # else: the image-encode phase starts the slot (`attach_image`), its draws after the VAE's
         self.history[slot].zero_()
         for name, value in request.request_inputs.items():
@@ -76,7 +86,7 @@ class Group(SlotMap):
             if table is None:
                 table = self.request_inputs[name] = torch.zeros(
                     (2 * self.slots, *value.shape[1:]), dtype=value.dtype, device=self.device)
-            table[2 * slot: 2 * slot + 2].copy_(value, non_blocking=True)
+            upload(table[2 * slot: 2 * slot + 2], value)
 
     def attach_conditioning(self, slot: int, prompt, negative) -> None:
         self.conditioning[slot] = (prompt, negative)
@@ -86,7 +96,7 @@ class Group(SlotMap):
         """An image request's first latents (its image's latents noised to its first
         timestep); for inpainting `known` = (image latents, noise, mask at latent
         resolution 1 × h × w, per-step add_noise coefficients steps × 2)."""
-        self.latents[slot].copy_(start.reshape(-1), non_blocking=True)
+        upload(self.latents[slot], start.reshape(-1))
         self.channels_last[slot] = channels_last
         if known is None:
             return
@@ -97,9 +107,9 @@ class Group(SlotMap):
             self.mask = torch.zeros_like(self.latents)
             self.noising_table = np.zeros((self.slots, self.max_steps, 2), dtype=np.float32)
         shape = self.latent_shape
-        self.image_latents[slot].copy_(image_latents.reshape(-1), non_blocking=True)
-        self.image_noise[slot].copy_(noise.reshape(-1), non_blocking=True)
-        self.mask[slot].view(shape).copy_(mask.reshape(1, *shape[1:]).expand(shape), non_blocking=True)
+        upload(self.image_latents[slot], image_latents.reshape(-1))
+        upload(self.image_noise[slot], noise.reshape(-1))
+        upload(self.mask[slot].view(shape), mask.reshape(1, *shape[1:]).expand(shape))
         self.noising_table[slot, :len(noising)] = noising
         self.masked[slot] = True
 

@@ -8,9 +8,9 @@ from engine.decode.in_process import InProcessDecodeStage
 from engine.decode.inline import InlineDecodeStage
 from engine.decode.stage import DecodeConfig, DecodeStage
 
-#: Cores per decode worker process on a CPU machine: below this many cores per worker, a
-#: worker takes cores the denoiser wants (measured on 2 cores: the served engine at
-#: 0.64-0.75 of the denoiser's rows/s with two workers, 0.90 with one).
+#: Cores per decode worker process on a CPU machine beyond the first worker: below this
+#: many cores per worker, more workers take cores the denoiser wants (measured on 2 cores:
+#: the served engine at 0.64-0.75 of the denoiser's rows/s with two workers, 0.90 with one).
 CPU_CORES_PER_WORKER = 8
 #: `--in-process-decode`: on the busy loop's thread, on a thread beside it, or by device
 IN_PROCESS_MODES = ("auto", "inline", "thread")
@@ -21,17 +21,24 @@ def default_decode_workers(device: str = "cpu", cpus: int | None = None) -> int:
 
     - CUDA: one worker process (the VAE on the device, off the denoiser's stream); more
       would add CUDA contexts time-slicing the same device.
-    - CPU: the denoiser uses every core through torch's threads, so a worker process
-      takes cores from it. With fewer than 2 × CPU_CORES_PER_WORKER cores: 0 (decode on
-      one thread of the engine process, which only wakes when an image output finishes;
-      "latent" outputs never touch it); beyond that, one worker per CPU_CORES_PER_WORKER
-      cores after the first CPU_CORES_PER_WORKER, at most 4.
+    - CPU, 2 cores or more: one worker process, and beyond 2 × CPU_CORES_PER_WORKER cores
+      one per CPU_CORES_PER_WORKER cores after the first CPU_CORES_PER_WORKER, at most 4.
+      Measured on 2 cores (bench/RESULTS.md): with torch's default threads the served
+      engine's PNG rows/s were the same with one worker as with the decode on the busy
+      loop's thread (288 and 288), and with one torch thread the worker, on the core the
+      denoiser leaves, gave 1.15× the goodput above capacity; a worker costs its own
+      process (~470 MB resident with the `shapes` VAE).
+    - CPU, 1 core: 0 — the decode runs on the busy loop's thread between steps, several
+      latents per VAE call, so nothing computes beside the denoiser.
+    "latent" outputs never touch the decode stage.
     """
     if str(device).startswith("cuda"):
         return 1
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(4, cpus // CPU_CORES_PER_WORKER - 1))
+    if cpus < 2:
+        return 0
+    return max(1, min(4, cpus // CPU_CORES_PER_WORKER - 1))
 
 
 def make_decode_stage(model, config: DecodeConfig | int | None = None, on_ready: Callable[[], None] | None = None,

@@ -30,8 +30,8 @@ class DecodeConfig:
 
     workers: int | None = dataclasses.field(default=None, metadata=_cli(
         "--decode-workers", metavar="N", dest="decode_workers",
-        help="decode worker processes; 0 decodes on a thread of the engine process (default: 0 on a CPU under "
-             "16 cores, so decoding takes none of the denoiser's cores; 1 on CUDA)"))
+        help="decode worker processes over the shared arena; 0 decodes in the engine process (see "
+             "--in-process-decode) (default: 1 on CUDA and on a CPU of 2 to 23 cores, more beyond, 0 on one core)"))
     decode_timeout_s: float = dataclasses.field(default=120.0, metadata=_cli(
         "--decode-timeout", metavar="S",
         help="a decode running longer fails its request (Failed) and later decodes go on: a worker is killed "
