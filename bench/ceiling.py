@@ -13,8 +13,8 @@ the machine's speed hits both alike):
   served    `--requests` requests of `--steps` steps (euler, `--guidance`) submitted at once
             by the client, progress messages on (the client's default; `--no-progress`
             turns them off), output = the output measured. A result counts only if it is
-            a `Completed` whose output is what was asked for: PNG bytes starting with the
-            PNG signature, or a latent array of the model's latent shape. Over the Stats
+            usable as the workload benchmark judges it (`workload_trace.usable`: a PNG of
+            the native size, or a finite latent of the model's shape). Over the Stats
             delta of the run: mean rows per call R = useful evaluations / batches; served
             rows/s = the counted results' useful evaluations (`Timings.evals`; all of the
             Stats delta when every result counts) / (first submit → last result).
@@ -59,10 +59,10 @@ import time
 
 from workload_common import (REPO, bench_model_folder, children_of, cpu_seconds, engine_command, engine_env,
                              machine_line, prompts_for)
+from workload_trace import usable
 
 TARGET_PNG = 0.9
 OUTPUTS = ("latent", "png")
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def params_for(args, prompts, i: int, output: str):
@@ -72,24 +72,11 @@ def params_for(args, prompts, i: int, output: str):
                           seed=i, output=output)
 
 
-def counts(result, output: str, latent_shape: tuple[int, ...]) -> bool:
-    """Whether a result is a usable output of the kind asked for: a `Completed` with PNG
-    bytes (signature checked) or with a latent array of the model's latent shape."""
-    from engine.protocol import Completed
-
-    if not isinstance(result, Completed):
-        return False
-    data = getattr(result, "output", None)
-    if output == "png":
-        return isinstance(data, (bytes, bytearray, memoryview)) and bytes(data[:8]) == PNG_SIGNATURE
-    return getattr(data, "shape", None) == tuple(latent_shape) and str(getattr(data, "dtype", "")) == "float32"
-
-
 def engine_cpu(pid: int) -> float:
     return cpu_seconds(pid) + sum(cpu_seconds(k) for k in children_of(pid))
 
 
-def measure_served(client, pid: int, args, prompts, output: str, latent_shape) -> dict:
+def measure_served(client, pid: int, args, prompts, output: str, expect: dict) -> dict:
     before = client.stats()
     cpu0 = engine_cpu(pid)
     start = time.perf_counter()
@@ -99,7 +86,7 @@ def measure_served(client, pid: int, args, prompts, output: str, latent_shape) -
     wall = time.perf_counter() - start
     cpu = engine_cpu(pid) - cpu0
     after = client.stats()
-    good = [r for r in results if counts(r, output, latent_shape)]
+    good = [r for r in results if usable(r, output, expect)]
     useful = after["useful_evals"] - before["useful_evals"]
     batches = after["batches"] - before["batches"]
     counted = sum(r.timings.evals for r in good)
@@ -269,6 +256,7 @@ def main(argv=None) -> int:
     model = load_model(folder, device, dtype=dtype)
     per = 2 if model.cfg_scale(GenerateParams(prompt="", guidance=args.guidance)) is not None else 1
     latent_shape = tuple(model.latent_shape(model.native_size, model.native_size))
+    expect = dict(latent_shape=latent_shape, size=(model.native_size, model.native_size))  # what `usable` checks
     bench = DenoiserRows(model, args, prompts, device, per)
     address = f"ipc://{tmp}/ceiling.sock"
     engine_args = ["--model", str(folder), "--slots", str(args.slots), *extra]
@@ -286,12 +274,12 @@ def main(argv=None) -> int:
         client = engine.connect(300.0)
         warm = argparse.Namespace(**{**vars(args), "steps": 2, "requests": args.slots})
         for output in OUTPUTS:  # first-run costs (allocations, decode workers' first images) out of the way
-            measure_served(client, engine.pid, warm, prompts, output, latent_shape)
+            measure_served(client, engine.pid, warm, prompts, output, expect)
         measure_denoiser(bench, args.slots * per, 2)
         for r in range(args.repeats):
             got = {}
             for output in (OUTPUTS if r % 2 == 0 else OUTPUTS[::-1]):
-                served = measure_served(client, engine.pid, args, prompts, output, latent_shape)
+                served = measure_served(client, engine.pid, args, prompts, output, expect)
                 idle = engine_cpu(engine.pid)
                 alone = measure_denoiser(bench, served["mean_rows"], served["batches"])
                 alone["engine_cpu_s"] = engine_cpu(engine.pid) - idle  # the idle engine's: ~0, or it competes

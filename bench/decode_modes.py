@@ -30,8 +30,8 @@ from engine.decode.stage import DecodeConfig
 from engine.models.loading import load_model
 from engine.models.shapes.draw import PROMPTS
 from engine.protocol import GenerateParams
+from workload_trace import MIXED_SAMPLERS as SAMPLERS  # the workload's sampler mix
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 CONFIGS = {
     "latent": ("latent", None),
     "png inline": ("png", DecodeConfig(workers=0, in_process="inline")),

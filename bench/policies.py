@@ -27,8 +27,8 @@ from engine.core import CoreConfig, DenoiseFinished, EngineCore
 from engine.models.loading import load_model
 from engine.models.shapes.draw import PROMPTS
 from engine.protocol import GenerateParams
+from workload_trace import MIXED_SAMPLERS as SAMPLERS  # the workload's sampler mix
 
-SAMPLERS = ("euler", "euler_ancestral", "ddim", "dpmpp_2m")
 POLICIES = {"fifo": dict(policy="fifo"), "srpt": dict(policy="srpt")}  # name → CoreConfig fields
 
 

@@ -40,25 +40,34 @@ def _ceiling_module():
 
 
 def test_only_real_outputs_count():
+    """The ceiling counts a result through the workload's own judge (`workload_trace.usable`)."""
+    import io
+
+    from PIL import Image
+
     from engine.protocol import Completed, Failed, Timings
 
     ceiling = _ceiling_module()
+    usable, expect = ceiling.usable, dict(latent_shape=(4, 8, 8), size=(32, 32))
 
     def completed(output, kind="png"):
         msg = Completed("r", Timings(evals=8), kind, (0,), "uint8")
         msg.output = output
         return msg
 
-    png = ceiling.PNG_SIGNATURE + b"\0" * 32
-    assert ceiling.counts(completed(png), "png", (4, 8, 8))
-    assert not ceiling.counts(completed(b"GIF89a" + b"\0" * 32), "png", (4, 8, 8))
-    assert not ceiling.counts(completed(b""), "png", (4, 8, 8))
-    assert not ceiling.counts(completed(None), "png", (4, 8, 8))
-    assert not ceiling.counts(completed(np.zeros((4, 8, 8), np.float32), "latent"), "png", (4, 8, 8))
-    assert not ceiling.counts(Failed("r", "boom"), "png", (4, 8, 8))
-    assert ceiling.counts(completed(np.zeros((4, 8, 8), np.float32), "latent"), "latent", (4, 8, 8))
-    assert not ceiling.counts(completed(np.zeros((4, 8, 9), np.float32), "latent"), "latent", (4, 8, 8))
-    assert not ceiling.counts(completed(png), "latent", (4, 8, 8))
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    latent = np.random.default_rng().standard_normal((4, 8, 8)).astype(np.float32)
+    assert usable(completed(png), "png", expect)
+    assert not usable(completed(b"GIF89a" + b"\0" * 32), "png", expect)
+    assert not usable(completed(b""), "png", expect)
+    assert not usable(completed(None), "png", expect)
+    assert not usable(completed(latent, "latent"), "png", expect)
+    assert not usable(Failed("r", "boom"), "png", expect)
+    assert usable(completed(latent, "latent"), "latent", expect)
+    assert not usable(completed(np.zeros((4, 8, 9), np.float32), "latent"), "latent", expect)
+    assert not usable(completed(png), "latent", expect)
 
 
 def _positive(x) -> bool:

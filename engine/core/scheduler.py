@@ -52,7 +52,6 @@ class Scheduler:
         self._batches_at_limit = 0
         self.group_wait_max = 0  # head-of-line blocking: most batches a runnable group waited
         self.counters = collections.Counter()
-        self.queued_evals = 0  # remaining evaluations of the queued requests
         self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
 
     # ---- requests in ----------------------------------------------------------------
@@ -64,13 +63,9 @@ class Scheduler:
             self.counters["rejected_full"] += 1
             raise RequestRejected(f"queue full ({self.config.max_queue} waiting)", None)
         self.requests[request.request_id] = request
-        request.work_ahead, request.admitted_mark = self.queued_evals, self.admitted_evals
-        self.queued_evals += request.remaining_evals
+        request.work_ahead = sum(r.remaining_evals for r in self.queue)  # what FIFO would admit first
+        request.admitted_mark = self.admitted_evals
         self.queue.append(request)
-
-    def _dequeue(self, request: Request) -> None:
-        self.queue.remove(request)
-        self.queued_evals -= request.remaining_evals
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Mark each live request canceled. Returns the running ones: their slots drain
@@ -85,7 +80,7 @@ class Scheduler:
             self.counters["canceled_evals"] += request.timings.evals
             log.info("request %s canceled while %s", rid, request.status.value)
             if request.status is RequestStatus.QUEUED:
-                self._dequeue(request)
+                self.queue.remove(request)
                 self.end(request)
             elif request.status is RequestStatus.RUNNING:
                 request.group.runnable[request.slot] = False
@@ -152,7 +147,7 @@ class Scheduler:
                 continue
             for waiting in waiting_for_memory:
                 waiting.bypassed += 1
-            self._dequeue(request)
+            self.queue.remove(request)
             self.admitted_evals += request.remaining_evals
             self.ledger.take(request.reservation)
             self._place(request, group, slot)
@@ -176,7 +171,7 @@ class Scheduler:
         try:
             group = self.make_group(key, request.latent_shape)
         except MemoryError as exc:  # the allocation fails the request that needed it, not the engine
-            self._dequeue(request)
+            self.queue.remove(request)
             self.fail(request, f"no memory for a group of its size ({exc})")
             self.end(request)
             return None
