@@ -10,7 +10,7 @@ folder. For each layout (`padded`,
 with `--slots` slots gets round(f * slots) requests (prompts "a {color} {shape}", guidance
 alternating 1.0 and 3.0, i.e. 1 and 2 rows per slot; samplers euler and dpmpp_2m, both
 deterministic so no noise is drawn; steps enough that nobody finishes) admitted with
-`core.admit()` (its encode phase included); then `core.runner.run(group)` is timed directly. All layouts are measured
+`core.admit()` (its preparation included); then the runner's `execute` of the scheduler's step plan is timed directly. All layouts are measured
 in one run: every repeat runs every (fraction, layout) once, the layouts in a rotating
 order, so machine noise hits all of them alike; the table reports medians over repeats.
 
@@ -52,7 +52,7 @@ import warnings
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.core import CoreConfig, EngineCore, Group  # noqa: E402
+from engine.core import CoreConfig, EngineCore  # noqa: E402
 from engine.core.config import LAYOUTS as ALL_LAYOUTS  # noqa: E402
 from engine.core.runner import bucket_rows  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
@@ -122,12 +122,13 @@ class StepBench:
                 guidance=1.0 if i % 2 == 0 else 3.0, seed=i, output="latent"))
         core.admit()
         (self.group,) = core.groups.values()
-        group: Group = self.group
+        group = self.group
+        self.storage = storage = core.storage[group.key]
         if group.active != active or core.queue:
             raise RuntimeError(f"admitted {group.active} of {active} requests")
-        self.initial_latents = group.latents.clone()
-        self.initial_history = group.history.clone()
-        batch = core.runner.build_batch(group)  # the row map the timed steps will use
+        self.initial_latents = storage.latents.clone()
+        self.initial_history = storage.history.clone()
+        batch = core.runner.build_batch(core.scheduler.next_step())  # the row map the timed steps will use
         self.rows = len(batch.row_slot)
         self.useful_rows = batch.useful_rows
         self.padded_rows = batch.padded_rows
@@ -141,25 +142,26 @@ class StepBench:
         rewind every trajectory to its start before any would finish."""
         core, group = self.core, self.group
         core.inflight.clear()
-        core.outputs.clear()
         if int(group.step_index.max()) >= self.steps - 1:
             group.step_index[group.busy] = 0
-            group.latents.copy_(self.initial_latents)
-            group.history.copy_(self.initial_history)
+            self.storage.latents.copy_(self.initial_latents)
+            self.storage.history.copy_(self.initial_history)
 
     def step(self) -> None:
-        """One engine step, exactly as the engine runs it."""
-        self.core.runner.run(self.group)
+        """One engine step, exactly as the engine runs it: the scheduler's plan, the
+        runner's execution, the scheduler's update from its outcome."""
+        plan = self.core.scheduler.next_step()
+        self.core.scheduler.update_from_output(plan, self.core.runner.execute(plan))
 
     def timed_step(self, breakdown: bool = True) -> Sample:
         self.prepare()
         build = math.nan
         if breakdown:
             start = time.perf_counter()
-            self.core.runner.build_batch(self.group)  # no state changes: deterministic samplers draw no noise
+            self.core.runner.build_batch(self.core.scheduler.next_step())  # deterministic samplers draw no noise
             build = time.perf_counter() - start
         start = time.perf_counter()
-        self.core.runner.run(self.group)
+        self.step()
         total = time.perf_counter() - start
         return Sample(total=total, denoise=self.timed.last_s, build=build)
 
@@ -385,7 +387,7 @@ def test_step(benchmark, request, layout, fraction):
     benchmark.pedantic(bench.step, setup=bench.prepare, rounds=rounds, warmup_rounds=3, iterations=1)
     parts = [bench.timed_step() for _ in range(1 if smoke else 5)]
     assert (bench.group.step_index != before).any(), "no slot advanced"
-    assert torch.isfinite(bench.group.latents).all()
+    assert torch.isfinite(bench.storage.latents).all()
     med = {p: 1e3 * statistics.median(getattr(s, p) for s in parts) for p in ("build", "denoise", "host")}
     benchmark.extra_info.update(
         model=label, slots=slots, active_slots=bench.active, rows=bench.rows, useful_rows=bench.useful_rows,

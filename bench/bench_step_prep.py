@@ -1,4 +1,4 @@
-"""Per-step preparation: `Runner.build_batch` on one group (row map, per-row scale,
+"""Per-step preparation: `Runner.build_batch` on one group's step plan (row map, per-row scale,
 timestep and class, per-slot coefficient rows, the noise of stochastic slots, and the
 host→device copies of index and coefficients).
 
@@ -53,17 +53,18 @@ def prepared_core(slots: int, layout: str = "compact", seed: int = 0):
     assert group.active == slots and group.runnable.sum() == slots
     rng = np.random.default_rng(seed)
     group.step_index[:] = rng.integers(0, [r.total_steps for r in group.requests])  # every slot mid-way, at its own step
-    return core, group
+    return core, core.scheduler.next_step()
 
 
 @pytest.mark.parametrize("slots", [8, 64, 256])
 def test_build_batch_compact(benchmark, slots):
-    core, group = prepared_core(slots)
+    core, plan = prepared_core(slots)
+    storage = core.storage[plan.key]
     benchmark.group = "step prep: build_batch (compact)"
-    benchmark.extra_info.update(slots=slots, rows=int(slots + group.two_rows.sum()),
-                                stochastic=int(group.stochastic.sum()), target_us_64=TARGET_US_64)
-    batch = benchmark(core.runner.build_batch, group)
-    assert len(batch.slots) == slots and batch.useful_rows == slots + int(group.two_rows.sum())
+    benchmark.extra_info.update(slots=slots, rows=int(slots + storage.two_rows.sum()),
+                                stochastic=int(storage.stochastic.sum()), target_us_64=TARGET_US_64)
+    batch = benchmark(core.runner.build_batch, plan)
+    assert len(batch.slots) == slots and batch.useful_rows == slots + int(storage.two_rows.sum())
 
 
 @pytest.mark.parametrize("layout", ["compact", "padded", "bucketed"])
@@ -76,10 +77,10 @@ def test_build_batch_layouts_64(benchmark, layout):
 
 def test_build_batch_64_deterministic_only(benchmark):
     """Same 64 slots with no stochastic sampler: what the per-slot noise draws cost."""
-    core, group = prepared_core(64)
-    group.stochastic[:] = False
+    core, plan = prepared_core(64)
+    core.storage[plan.key].stochastic[:] = False
     benchmark.group = "step prep: build_batch, 64 slots, noise share"
-    benchmark(core.runner.build_batch, group)
+    benchmark(core.runner.build_batch, plan)
 
 
 def main() -> None:
@@ -92,14 +93,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    core, group = prepared_core(args.profile)
-    runs = timeit.repeat(lambda: core.runner.build_batch(group), number=200, repeat=5)
+    core, plan = prepared_core(args.profile)
+    runs = timeit.repeat(lambda: core.runner.build_batch(plan), number=200, repeat=5)
     print(f"build_batch, {args.profile} slots: best {min(runs) / 200 * 1e6:.1f} µs/call "
           f"(median of 5×200: {sorted(runs)[2] / 200 * 1e6:.1f} µs)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
-        core.runner.build_batch(group)
+        core.runner.build_batch(plan)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

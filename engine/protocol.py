@@ -5,13 +5,16 @@ one frame, the msgpack body. The engine's ROUTER answers with the body and, for
 `Completed`, one extra frame holding the output bytes (PNG, raw uint8 H×W×3 or
 float32 C×H×W latent), sent zero-copy and never inside the msgpack body.
 
-Image inputs (`GenerateParams.image`, `.mask`) travel the same way in the other
-direction: a `Submit` whose params hold them has them set to None in the body and
-names them in `Submit.inputs` ("image", "mask"), in the order of the extra frames that
-follow the body, each at most `Welcome.max_input_bytes`. The engine's IO thread
-reattaches them (zero-copy) before the busy loop sees the request; a count that does
-not match, an unknown or repeated name, or a frame over the limit is `Rejected` naming
-the field.
+Byte-carrying inputs travel the same way in the other direction: every field of
+`GenerateParams` typed `bytes` (today `image` and `mask`; a bytes field of a nested
+struct too, by its path, e.g. `controls.0.image`) is a frame field. A `Submit` whose
+params hold such bytes has them emptied in the body (`split_frames`) and names their
+paths in `Submit.inputs`, in the order of the extra frames that follow the body, each
+at most `Welcome.max_input_bytes`. The engine's IO thread reattaches them zero-copy
+(`attach_frames`) before the busy loop sees the request; a count that does not match,
+an unknown or repeated path, or a frame over the limit is `Rejected` naming the field.
+The client, the IO thread, the HTTP gateway's upload form and the CLI all derive the
+frame fields from `GenerateParams` itself (`FRAME_FIELDS`, `frame_paths`).
 
 Bodies are msgpack arrays whose first element is the message tag (`array_like`
 structs in a tagged union), e.g. `["submit", "r1", {"prompt": "a red circle"}]`.
@@ -49,8 +52,7 @@ MAX_MESSAGE_BYTES = 64 * 1024  # a client message is a few hundred bytes; more i
 # so a restarted engine and the tests can tell whose segments are left (R10).
 SEGMENT_PREFIX = "diffslot-"
 
-MAX_INPUT_BYTES = 16 << 20  # each image input's frame (`image`, `mask`), by default (CoreConfig.max_input_bytes)
-INPUT_FIELDS = ("image", "mask")  # the GenerateParams fields that travel as their own frames
+MAX_INPUT_BYTES = 16 << 20  # each input frame (an image, a mask), by default (CoreConfig.max_input_bytes)
 
 MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (R16's `partial_images`, as OpenAI's)
 
@@ -82,10 +84,10 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     crops_coords_top_left: tuple[int, int] | None = None
     target_size: tuple[int, int] | None = None
     loras: dict[str, float] = {}  # adapter name → scale (`--lora-dir`)
-    # image inputs (img2img, inpainting): PNG, JPEG or WebP bytes; the mask white = repaint.
-    # On the wire they travel as their own frames beside Submit, not inside the message.
-    image: bytes | None = None
-    mask: bytes | None = None
+    # image inputs (img2img, inpainting). Every bytes field travels as its own frame beside
+    # Submit, never inside the message; its description is what the HTTP upload form shows
+    image: Annotated[bytes, msgspec.Meta(description="PNG, JPEG or WebP")] | None = None
+    mask: Annotated[bytes, msgspec.Meta(description="The image's size; white = repaint")] | None = None
     strength: float | None = None  # 0 < s ≤ 1; None: the model's image pipeline's own default
 
 
@@ -125,8 +127,8 @@ class Submit(Message, tag="submit"):
     params: GenerateParams
     progress: bool = True  # send a Progress message after every denoising step
     partial_images: PartialImages = 0  # previews (PartialImage) of the clean-image estimate at evenly spaced steps
-    # the image inputs that follow the body as their own frames, in frame order ("image", "mask");
-    # their params fields are None in the body
+    # the paths of the frame fields (`frame_paths`) whose bytes follow the body as their own
+    # frames, in frame order; those fields are emptied in the body
     inputs: tuple[str, ...] = ()
 
 
@@ -177,7 +179,7 @@ class Welcome(Message, tag="welcome"):
     native_size: int = 0
     pipeline: str = ""  # the served folder's pipeline class
     max_message_bytes: int = MAX_MESSAGE_BYTES  # larger client messages are Rejected naming this limit
-    max_input_bytes: int = MAX_INPUT_BYTES  # each image input frame at most this many bytes (Submit.inputs)
+    max_input_bytes: int = MAX_INPUT_BYTES  # each input frame at most this many bytes (Submit.inputs)
 
 
 class Accepted(Message, tag="accepted"):
@@ -359,3 +361,122 @@ def output_nbytes(kind: str, height: int, width: int, latent_shape: tuple[int, .
     if kind == "png":  # stored deflate blocks + one filter byte per row + chunk headers
         return raw + height + raw // 1000 + 1024
     return raw
+
+
+# --------------------------------------------------------------------- frame fields
+
+def _frame_field_types(struct_type) -> dict[str, tuple[bool, object]]:
+    """name → (optional, nested struct type or None) for every field of `struct_type` that
+    carries bytes: typed bytes itself, or a struct (or a tuple of structs) that has some."""
+    import msgspec.inspect as mi
+
+    found = {}
+    for field in mi.type_info(struct_type).fields:
+        kinds = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
+        kinds = [k.type if isinstance(k, mi.Metadata) else k for k in kinds]
+        optional = any(isinstance(k, mi.NoneType) for k in kinds)
+        for kind in kinds:
+            if isinstance(kind, mi.BytesType):
+                found[field.name] = (optional, None)
+            item = kind.item_type if isinstance(kind, (mi.VarTupleType, mi.ListType)) else kind
+            if isinstance(item, mi.StructType) and _frame_field_types(item.cls):
+                found[field.name] = (optional, item.cls)
+    return found
+
+
+#: The fields of `GenerateParams` whose bytes travel as frames (top level), in declaration order.
+FRAME_FIELDS = tuple(_frame_field_types(GenerateParams))
+
+
+def frame_field_descriptions() -> dict[str, str]:
+    """field → its declared description, for every top-level frame field (upload forms)."""
+    import msgspec.inspect as mi
+
+    described = {}
+    for field in mi.type_info(GenerateParams).fields:
+        if field.name in FRAME_FIELDS:
+            kinds = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
+            meta = next((k for k in kinds if isinstance(k, mi.Metadata)), None)
+            described[field.name] = ((meta.extra_json_schema or {}).get("description", "") if meta else "")
+    return described
+
+
+def frame_paths(params) -> list[tuple[str, Any]]:
+    """(path, value) of every frame field holding a value, in declaration order: `image`,
+    `mask`, and nested ones as `field.index.name`."""
+    found = []
+
+    def walk(struct, prefix: str) -> None:
+        for name, (_, nested) in _frame_field_types(type(struct)).items():
+            value = getattr(struct, name)
+            if nested is None:
+                if value is not None and not (isinstance(value, (bytes, bytearray, memoryview))
+                                              and prefix and memoryview(value).nbytes == 0):
+                    found.append((prefix + name, value))
+            elif isinstance(value, (tuple, list)):
+                for index, item in enumerate(value):
+                    walk(item, f"{prefix}{name}.{index}.")
+            elif value is not None:
+                walk(value, f"{prefix}{name}.")
+
+    walk(params, "")
+    return found
+
+
+def _replace_path(struct, parts: list[str], value):
+    name, rest = parts[0], parts[1:]
+    if not rest:
+        return msgspec.structs.replace(struct, **{name: value})
+    current = getattr(struct, name)
+    if isinstance(current, (tuple, list)):
+        index = int(rest[0])
+        items = list(current)
+        items[index] = _replace_path(items[index], rest[1:], value)
+        return msgspec.structs.replace(struct, **{name: type(current)(items)})
+    return msgspec.structs.replace(struct, **{name: _replace_path(current, rest, value)})
+
+
+def split_frames(params) -> tuple[Any, list[str], list[Any]]:
+    """(params with every frame field emptied, their paths, their bytes in the same order).
+    An optional field is emptied to None, a required nested one to b""."""
+    paths, frames = [], []
+    for path, value in frame_paths(params):
+        paths.append(path)
+        frames.append(value)
+        params = _replace_path(params, path.split("."), None if "." not in path else b"")
+    return params, paths, frames
+
+
+def path_problem(params, path: str) -> str | None:
+    """Why `path` cannot name a frame of `params` (unknown, or already holding bytes), or None."""
+    parts = path.split(".")
+    struct = params
+    while True:
+        fields = _frame_field_types(type(struct))
+        name = parts[0]
+        if name not in fields:
+            return f"unknown input {path!r} in Submit.inputs; frame fields: {', '.join(FRAME_FIELDS)}"
+        value = getattr(struct, name)
+        nested = fields[name][1]
+        if nested is None:
+            if len(parts) != 1:
+                return f"unknown input {path!r} in Submit.inputs"
+            if value is not None and not (isinstance(value, (bytes, bytearray)) and len(value) == 0):
+                return "given both in the message and as a frame (Submit.inputs)"
+            return None
+        if isinstance(value, (tuple, list)):
+            if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) >= len(value):
+                return f"unknown input {path!r} in Submit.inputs"
+            struct, parts = value[int(parts[1])], parts[2:]
+        elif value is None or len(parts) < 2:
+            return f"unknown input {path!r} in Submit.inputs"
+        else:
+            struct, parts = value, parts[1:]
+
+
+def attach_frames(params, paths, frames):
+    """`params` with each frame set at its path (the inverse of `split_frames`); check each
+    path with `path_problem` first."""
+    for path, frame in zip(paths, frames):
+        params = _replace_path(params, path.split("."), frame)
+    return params

@@ -51,9 +51,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
-    INPUT_FIELDS, PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
+    PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
     GenerateParams, Goodbye, Health, HealthReply, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected,
-    Stats, StatsReply, Submit, Welcome, encoder, engine_decoder,
+    Stats, StatsReply, Submit, Welcome, encoder, engine_decoder, frame_paths, split_frames,
 )
 from engine.serve import transport
 from engine.serve.transport import CurveKeys, load_curve_keys
@@ -297,24 +297,20 @@ class Client:
         return handle
 
     def _split_inputs(self, params: GenerateParams):
-        """(params without their image inputs, the input names, their frames, a refusal
-        (reason, field) or None): image bytes travel as their own frames (Submit.inputs)."""
-        present = [name for name in INPUT_FIELDS if getattr(params, name) is not None]
-        if not present:
-            return params, [], [], None
+        """(params without their frame fields' bytes, the paths, their frames, a refusal
+        (reason, field) or None): byte inputs travel as their own frames (Submit.inputs)."""
         limit = self.welcome.max_input_bytes if self.welcome is not None else 0
-        frames = []
-        for name in present:
-            data = getattr(params, name)
+        for path, data in frame_paths(params):
+            field = path.split(".")[0]
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 return params, [], [], (f"must be the bytes of a PNG, JPEG or WebP image, not "
-                                        f"{type(data).__name__}", name)
+                                        f"{type(data).__name__}", field)
             nbytes = memoryview(data).nbytes
             if limit and nbytes > limit:
-                return params, [], [], (f"{nbytes} bytes, more than the engine takes ({limit} bytes per image "
-                                        f"input, Welcome.max_input_bytes)", name)
-            frames.append(data)
-        return msgspec.structs.replace(params, **{name: None for name in present}), present, frames, None
+                return params, [], [], (f"{nbytes} bytes, more than the engine takes ({limit} bytes per input "
+                                        f"frame, Welcome.max_input_bytes)", field)
+        params, paths, frames = split_frames(params)
+        return params, paths, frames, None
 
     def generate(self, params: GenerateParams, timeout: float | None = None) -> Result:
         """Submit and wait; on timeout or KeyboardInterrupt the request is canceled."""

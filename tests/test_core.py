@@ -71,12 +71,13 @@ def assert_reference(model, finished: DenoiseFinished | torch.Tensor, p: Generat
 def poison_free_slots(core: EngineCore) -> None:
     """NaN into every slot no request owns: latents, history and the solver tables."""
     for g in core.groups.values():
+        storage = core.storage[g.key]
         free = torch.from_numpy(~g.busy)
-        g.latents[free] = math.nan
-        g.history[free] = math.nan
-        g.coef_table[~g.busy] = math.nan
-        g.timestep_table[~g.busy] = math.nan
-        g.divisor_table[~g.busy] = math.nan
+        storage.latents[free] = math.nan
+        storage.history[free] = math.nan
+        storage.coef_table[~g.busy] = math.nan
+        storage.timestep_table[~g.busy] = math.nan
+        storage.divisor_table[~g.busy] = math.nan
 
 
 def assert_drained(core: EngineCore) -> None:
@@ -204,8 +205,8 @@ def test_the_cuda_host_path_on_cpu_tensors_equals_reference(model, layout):
     core = EngineCore(model, CoreConfig(slots=3, layout=layout))
     core.staged_uploads = core.async_copies = True
     run_mixed_against_reference(model, core)
-    (group,) = core.groups.values()
-    assert group.staging is not None and group.staging.uploads == core.batches
+    (storage,) = core.storage.values()
+    assert storage.staging is not None and storage.staging.uploads == core.batches
     assert_drained(core)
 
 

@@ -54,14 +54,14 @@ def test_many_distinct_sizes_keep_the_group_count_bounded_and_lose_nothing():
 def test_a_group_allocation_failure_fails_only_its_request():
     core = EngineCore(tiny_model("epsilon"), CoreConfig(slots=2, trajectory_budget_bytes=1 << 24,
                                                         output_budget_bytes=1 << 26))
-    make_group = core.runner.make_group
+    make_storage = core.runner.make_storage
 
     def refusing(key, latent_shape):
         if latent_shape[1] == 16:
             raise MemoryError("cannot allocate 2 slots of 4×16×16")
-        return make_group(key, latent_shape)
+        return make_storage(key, latent_shape)
 
-    core.runner.make_group = refusing
+    core.runner.make_storage = refusing
     core.add_request("big", GenerateParams(prompt="a red circle", steps=2, height=16, width=16, output="latent"))
     core.add_request("ok", GenerateParams(prompt="a red circle", steps=2, output="latent"))
     done, failed = drive(core)

@@ -327,14 +327,15 @@ def test_mask_state_is_released_only_after_the_fence(folders):
     core.add_request("m", image_request(rng, "sd", "default", True, strength=1.0, steps=6))
     core.step()
     group = next(iter(core.groups.values()))
-    assert group.masked[0] and group.mask[0].max() == 1.0
+    known = core.storage[group.key].kind_states["image"]
+    assert known.masked[0] and known.mask[0].max() == 1.0
     core.abort_requests(["m"])
     core.step()
-    assert group.masked[0] and group.requests[0] is not None  # its launch is still in flight
+    assert known.masked[0] and group.requests[0] is not None  # its launch is still in flight
     fences.release_all()
-    outputs = core.step()
+    outputs = core.step() + core.step()  # the storage learns of the release with the next plan
     assert any(isinstance(o, RequestCanceled) for o in outputs)
-    assert not group.masked[0] and group.requests[0] is None
+    assert not known.masked[0] and group.requests[0] is None
     # the next request in that slot is not blended with the old mask: it equals the pipeline
     core.add_request("t", GenerateParams(prompt="a red circle", steps=3, guidance=1.0, output="latent"))
     while core.has_unfinished_requests():
@@ -406,7 +407,7 @@ def test_bad_image_inputs_are_rejected_naming_the_field(folders, tmp_path):
     # well-formed: the image's size is the output size, the pipeline's default strength
     core.add_request("ok", GenerateParams(**base, image=encoded(draw_image(rng, 20, 12))))
     request = core.requests["ok"]
-    assert request.latent_shape == (4, 6, 10) and request.image_inputs.strength == 0.8
+    assert request.latent_shape == (4, 6, 10) and request.inputs["image"].strength == 0.8
     assert core.output_bytes(GenerateParams(**base, image=encoded(draw_image(rng, 20, 12)))) > 0
 
 

@@ -219,15 +219,16 @@ def test_slot_holds_its_rows_until_the_fence(folders):
     core.step()
     group = next(iter(core.groups.values()))
     slot = core.requests["r"].slot
-    positive, negative = group.conditioning[slot]
+    storage = core.storage[group.key]
+    positive, negative = storage.conditioning[slot]
     assert positive.hidden.shape == (16, 32) and negative is not None
     core.abort_requests(["r"])
     core.step()
-    assert group.conditioning[slot, 0] is not None, "rows released while a launch may still read them"
+    assert storage.conditioning[slot, 0] is not None, "rows released while a launch may still read them"
     fences.release_all()
-    outputs = core.step()
+    outputs = core.step() + core.step()  # the storage learns of the release with the next plan
     assert any(isinstance(o, RequestCanceled) for o in outputs)
-    assert group.conditioning[slot, 0] is None and group.epoch[slot] == 1
+    assert storage.conditioning[slot, 0] is None and group.epoch[slot] == 1
 
 
 def test_admission_counts_embedding_bytes(folders):

@@ -6,11 +6,13 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from engine.core.config import CoreConfig
 from engine.core.ledger import Ledger, Reservation
 from engine.core.outputs import RequestCanceled, RequestFailed, RequestRejected
+from engine.core.plan import StepOutcome, StepPlan
 from engine.core.requests import Ending, Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.slot_map import SlotMap
@@ -27,17 +29,48 @@ class Clock:
         return self.now
 
 
-def create_scheduler(slots: int = 2, trajectory_bytes: int = 1000, decode_buffers: int = 8, **config):
-    outputs: list = []
-    made: list[tuple] = []
+class Harness(Scheduler):
+    """The scheduler as the conductor drives it, with no runner: each plan's placements
+    returned, its outputs and new groups collected, and a runner's outcome made up."""
 
-    def make_group(key, latent_shape):
-        made.append(key)
-        return SlotMap(key, latent_shape, slots)
+    def __init__(self, cfg, ledger, clock, refuse_storage=lambda shape: False):
+        super().__init__(cfg, ledger, clock)
+        self.outputs: list = []
+        self.made: list[tuple] = []
+        self.refuse_storage = refuse_storage
 
+    def admit(self) -> list[Request]:
+        plan = super().admit()
+        self.outputs += plan.outputs
+        self.made += [key for key, _ in plan.new_groups]
+        for key, shape in plan.new_groups:
+            if self.refuse_storage(shape):  # as the runner reports an allocation that failed
+                self.outputs += self.storage_failed(key, MemoryError("cannot allocate"))
+        return [r for r in plan.placed if not r.stopping]
+
+    def abort(self, request_ids):
+        running, outputs = super().abort(request_ids)
+        self.outputs += outputs
+        return running
+
+    def pick_group(self) -> SlotMap | None:
+        plan = self.next_step()
+        return None if plan is None else self.groups[plan.key]
+
+    def launched(self, group: SlotMap, fence, slots, row_limit=None) -> list:
+        slots = np.array(sorted(slots), dtype=np.int64)
+        plan = StepPlan(group.key, slots, group.step_index[slots].copy(), [group.requests[s] for s in slots],
+                        group.slots, self.row_limit)
+        outcome = StepOutcome(fence, slots, {}, 0, 0, {}, None, row_limit)
+        return self.update_from_output(plan, outcome)
+
+
+def create_scheduler(slots: int = 2, trajectory_bytes: int = 1000, decode_buffers: int = 8, refuse_storage=None,
+                     **config):
     cfg = CoreConfig(slots=slots, decode_buffers=decode_buffers, **config)
-    scheduler = Scheduler(cfg, Ledger(trajectory_bytes, decode_buffers, 1 << 30), make_group, Clock(), outputs)
-    return scheduler, outputs, made
+    scheduler = Harness(cfg, Ledger(trajectory_bytes, decode_buffers, 1 << 30), Clock(),
+                        refuse_storage or (lambda shape: False))
+    return scheduler, scheduler.outputs, scheduler.made
 
 
 def create_request(rid: str, steps: int = 4, nbytes: int = 100, shape=SHAPE, guided: bool = True) -> Request:
@@ -171,19 +204,12 @@ def test_idle_groups_are_evicted_beyond_the_bound_and_busy_ones_never():
 
 
 def test_a_group_that_cannot_be_allocated_fails_only_its_request():
-    scheduler, outputs, _ = create_scheduler(slots=1)
-
-    def make_group(key, shape):
-        if shape != SHAPE:
-            raise MemoryError("cannot allocate")
-        return SlotMap(key, shape, 1)
-
-    scheduler.make_group = make_group
+    scheduler, outputs, _ = create_scheduler(slots=1, refuse_storage=lambda shape: shape != SHAPE)
     scheduler.add(create_request("too-big", shape=(4, 64, 64)))
     scheduler.add(create_request("fine"))
     assert ids(scheduler.admit()) == ["fine"]
     assert [type(o) for o in outputs] == [RequestFailed] and outputs[0].request_id == "too-big"
-    assert "too-big" not in scheduler.requests
+    assert "too-big" not in scheduler.requests and len(scheduler.groups) == 1
 
 
 def test_static_admission_waits_for_the_whole_batch():
@@ -228,9 +254,11 @@ def test_the_row_limit_after_out_of_memory_caps_slots_and_recovers():
     scheduler, _, _ = create_scheduler(slots=8, oom_recovery_batches=3)
     scheduler.add(create_request("r"))
     scheduler.admit()
-    assert scheduler.out_of_memory(16) == 8 and scheduler.slot_cap() == 4
-    assert scheduler.out_of_memory(8) == 4 and scheduler.slot_cap() == 2
     group = scheduler.pick_group()
+    scheduler.launched(group, object(), [], row_limit=8)  # the runner found 16 rows did not fit
+    assert scheduler.row_limit == 8 and scheduler.slot_cap() == 4
+    scheduler.launched(group, object(), [], row_limit=4)
+    assert scheduler.row_limit == 4 and scheduler.slot_cap() == 2
     for _ in range(3):
         scheduler.launched(group, object(), [])
     assert scheduler.row_limit == 8

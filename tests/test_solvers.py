@@ -145,13 +145,13 @@ class RecordingCore(EngineCore):
         self._build_batch = self.runner.build_batch
         self.runner.build_batch = self.recorded_batch
 
-    def recorded_batch(self, group):
-        batch = self._build_batch(group)
-        reqs = [group.requests[s] for s in batch.slots]
+    def recorded_batch(self, plan):
+        batch = self._build_batch(plan)
+        reqs = [plan.request_at(s) for s in batch.slots]
         self.batch_log.append({
-            "steps": sorted(set(group.step_index[batch.slots].tolist())),
+            "steps": sorted({plan.step_at(s) for s in batch.slots}),
             "samplers": sorted({r.params.sampler for r in reqs}),
-            "two_rows": sorted(set(group.two_rows[batch.slots].tolist())),
+            "two_rows": sorted({r.cfg_scale is not None for r in reqs}),
         })
         return batch
 

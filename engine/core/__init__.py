@@ -10,7 +10,7 @@ import importlib
 
 _EXPORTS = {
     "EngineCore": "engine.core.engine_core",
-    "Group": "engine.core.slots",
+    "SlotStorage": "engine.core.storage",
     "CoreConfig": "engine.core.config",
     "LAYOUTS": "engine.core.config",
     "ADMISSIONS": "engine.core.config",

@@ -1,15 +1,19 @@
 """EngineCore: the pure, in-process heart of the engine (no sockets, no threads).
 
-A short conductor over three parts (R18):
+A short conductor over parts that pass data (`engine.core.plan`):
 
 - the scheduler (`scheduler.py`, torch-free) decides what runs: the queue, admission
-  against the ledger, groups and their slot maps, fairness, every request's state;
-- the runner (`runner.py`) executes how: the row map, the gathered per-row model
-  inputs, the denoiser call, the fused update, failure isolation, previews;
+  against the ledger, groups and their slot maps, fairness, every request's state; it
+  returns plans and updates from the runner's outcomes;
+- the preparation phase (`preparation.py`) readies what admission placed: prompt rows
+  and each per-request input kind (`input_kinds/`);
+- the runner (`runner.py`) executes how, on its own slot storage: the row map, the
+  gathered per-row model inputs, the denoiser call, the fused update, failure isolation,
+  previews;
 - the reaper (`reaper.py`) acts on completed fences: progress, publish, release.
 
 `add_request` validates and queues; `abort_requests` marks; `step` reaps, admits (and
-encodes the prompts of what it admitted), runs one group's step and reaps again;
+prepares what it admitted), runs one group's step and reaps again;
 `decode_done` returns a decode reservation. The engine process (`engine.serve.proc`)
 drives exactly these calls (`engine.core.interface.CoreInterface`), so tests run the
 same core in-process.
@@ -24,80 +28,64 @@ import torch
 
 from engine.core.config import CoreConfig
 from engine.core.device import RunAhead
-from engine.core.encode import EmbeddingCache
-from engine.core.encode_phase import EncodePhase
+from engine.core.embedding_cache import EmbeddingCache
 from engine.core.fences import fences_for
-from engine.core.image_inputs import header_size
+from engine.core.input_kinds import input_kinds_for
 from engine.core.intake import Intake
 from engine.core.interface import ModelInfo
-from engine.core.ledger import Ledger, image_input_nbytes, reservation_for
+from engine.core.ledger import Ledger, reservation_for
 from engine.core.outputs import RequestRejected
+from engine.core.plan import StepPlan
+from engine.core.preparation import Preparation
 from engine.core.reaper import Reaper
 from engine.core.requests import Request
 from engine.core.runner import Runner
 from engine.core.scheduler import Scheduler
+from engine.core.storage import Launch, Report
 from engine.models.loading import DiffusionModel, model_inputs
-from engine.protocol import OUTPUT_KINDS, GenerateParams
+from engine.protocol import MAX_PARTIAL_IMAGES, OUTPUT_KINDS, GenerateParams
 
 log = logging.getLogger("diffslot.core")
-
-MAX_PARTIAL_IMAGES = 3  # as OpenAI's images API
 
 
 class EngineCore:
     def __init__(self, model: DiffusionModel, config: CoreConfig | None = None, fences=None,
                  clock=time.monotonic, adapters=None):
+        self._pending: list = []  # outputs of calls between steps (cancels), returned by the next step
         self.model = model
         self.config = config or CoreConfig()
         self.device = torch.device(self.config.device)
         self.fences = fences or fences_for(self.device)
         self.clock = clock
         self.geometry = model.geometry
-        self.adapters = adapters  # engine.lora.AdapterPool, or None
-        self.outputs: list = []
+        self.adapters = adapters  # engine.lora.interface.AdapterResidency, or None
+        self.kinds = input_kinds_for(model, self.geometry, self.config, adapters)
         self.embeddings = EmbeddingCache(model, self.config.embedding_cache_entries, self.config.embedding_cache_bytes,
                                          adapters)
         self.ledger = self._make_ledger()
-        self.intake = Intake(model, self.geometry, self.config, self.ledger, adapters)
-        self.scheduler = Scheduler(self.config, self.ledger, self._make_group, clock, self.outputs,
-                                   acquire=None if adapters is None else self._acquire_adapters)
-        self.runner = Runner(model, self.config, self.device, self.fences, self.scheduler,
-                             self.intake.schedule_capacity)
-        self.reaper = Reaper(self.scheduler, self.runner, self.fences, clock, self.outputs)
-        self.reaper.on_release = self._released
-        self.encode = EncodePhase(model, self.embeddings, self.scheduler, self.reaper, self.ledger, clock)
-        if adapters is not None and self.runner.graphed is not None:  # a graph reads the pool's layout
-            self.runner.graphed.layout_version = lambda: adapters.layout_version
+        self.intake = Intake(model, self.geometry, self.config, self.ledger, self.kinds)
+        self.scheduler = Scheduler(self.config, self.ledger, clock, adapters)
+        self.runner = Runner(model, self.config, self.device, self.fences, self.intake.schedule_capacity,
+                             None if adapters is None else (lambda: adapters.layout_version))
+        self.reaper = Reaper(self.scheduler, self.runner, self.fences, clock)
+        self.preparation = Preparation(model, self.embeddings, self.kinds, self.ledger, clock)
         if self.runner.graphed is not None:
             self.capture_graphs()
         # CUDA: the host prepares step n+1 while the device runs step n, at most two launches ahead
         self.window = RunAhead(2) if self.device.type == "cuda" else None
 
     def _make_ledger(self) -> Ledger:
-        """Budgets by default: `slots` native requests' trajectories (with their image rows,
-        `_image_headroom`), and the output bytes of `slots + decode_buffers` native outputs
-        of the largest kind, so that free slots never idle for want of output bytes."""
+        """Budgets by default: `slots` native requests' trajectories (with what each input
+        kind sets aside for them), and the output bytes of `slots + decode_buffers` native
+        outputs of the largest kind, so that free slots never idle for want of output bytes."""
         native = self.geometry.native_size
         shape = self.geometry.latent_shape(native, native)
         trajectory = reservation_for(shape, native, native, "uint8", 2 * self.model.conditioning_nbytes)
         output = max(reservation_for(shape, native, native, kind).output_bytes for kind in OUTPUT_KINDS)
         c = self.config
-        return Ledger(c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + self._image_headroom(shape),
+        headroom = sum(kind.headroom(shape, c.slots) for kind in self.kinds)
+        return Ledger(c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + headroom,
                       c.decode_buffers, c.output_budget_bytes or (c.slots + c.decode_buffers) * output)
-
-    def _image_headroom(self, shape: tuple) -> int:
-        """A model with an image path: room for every slot's image rows (latents, and with
-        inpainting noise and mask) and for one native image and mask's encoded bytes at
-        admission, raw-sized (spent in the encode phase)."""
-        model = self.model
-        if model.image_support("image") is not None:
-            return 0
-        native = self.geometry.native_size
-        masked = model.image_support("mask") is None
-        return self.config.slots * image_input_nbytes(shape, 0, masked) + 4 * native * native
-
-    def _make_group(self, key: tuple, latent_shape: tuple):
-        return self.runner.make_group(key, latent_shape)
 
     # ---- public interface ------------------------------------------------------
 
@@ -132,35 +120,48 @@ class EngineCore:
         log.debug("request %s queued (%s)", request_id, params)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Cancel: idempotent, and safe to race with completion."""
-        for request in self.scheduler.abort(request_ids):
-            self.reaper.drain(request)
+        """Cancel: idempotent, and safe to race with completion. What ends at once is
+        returned by the next `step()`."""
+        running, outputs = self.scheduler.abort(request_ids)
+        self._pending += outputs
+        for request in running:
+            self._pending += self.reaper.drain(request)
 
     def step(self) -> list:
-        """Reap, admit and encode, run one batch for one group, reap; return outputs."""
-        self.reaper.reap()
-        self.admit()
-        group = self.scheduler.pick_group()
-        if group is not None and (self.window is None or self.window.wait_for_room()):
-            self._run(group)
-        elif group is None and not self.outputs:
+        """Reap, admit and prepare, run one batch for one group, reap; return outputs."""
+        outputs, self._pending = self._pending, []
+        outputs += self.reaper.reap()
+        outputs += self._admit()
+        plan = self.scheduler.next_step()
+        if plan is not None and (self.window is None or self.window.wait_for_room()):
+            outputs += self._run(plan)
+        elif plan is None and not outputs:
             self.reaper.wait(self.config.fence_wait_s)
-        self.reaper.reap()
-        outputs = self.outputs[:]
-        self.outputs.clear()  # the scheduler and reaper append to this very list
+        outputs += self.reaper.reap()
         return outputs
 
     def admit(self) -> list[Request]:
-        """Admission at a step boundary and the encode phase of what it placed."""
-        placed = self.scheduler.admit()
-        for request in [r for r in placed if r.stopping]:  # failed as it was admitted (its adapter)
-            request.group.runnable[request.slot] = False
-            placed.remove(request)
-            self.reaper.drain(request)
-        if placed:
-            self.encode.prompts(placed)
-            self.encode.images([r for r in placed if r.image_inputs is not None and not r.stopping])
-        return placed
+        """Admission at a step boundary and the preparation of what it placed; returns the
+        requests placed (their outputs, if any ended, come with the next `step()`)."""
+        plan = self.scheduler.admit()
+        self._pending += self._apply(plan)
+        return plan.placed
+
+    def _admit(self) -> list:
+        return self._apply(self.scheduler.admit())
+
+    def _apply(self, plan) -> list:
+        outputs = list(plan.outputs)
+        for key, error in self.runner.apply(plan).items():
+            outputs += self.scheduler.storage_failed(key, error)
+        placed = [r for r in plan.placed if not r.stopping]
+        for request, why in self.preparation.run(placed).items():
+            self.scheduler.fail(request, why)
+        self.runner.place([r for r in placed if not r.stopping])
+        for request in placed:
+            if request.stopping:
+                outputs += self.reaper.drain(request)
+        return outputs
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
@@ -188,15 +189,15 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Something for step() to do right now (a batch to run or a fence to reap)."""
-        return bool(self.scheduler.queue) or self.reaper.pending() or bool(self.outputs) \
+        return bool(self.scheduler.queue) or self.reaper.pending() or bool(self._pending) \
             or any(g.runnable.any() for g in self.scheduler.groups.values())
 
     def output_bytes(self, params: GenerateParams) -> int:
         """Worst-case output bytes of a request (0 for sizes it will reject anyway)."""
         geometry = self.geometry
-        from_image = None if params.image is None else header_size(params.image)
-        if from_image is not None:  # an image request's sides not given are the image's (at most)
-            height, width = params.height or from_image[0], params.width or from_image[1]
+        implied = next((size for size in (kind.header_size(params) for kind in self.kinds) if size), None)
+        if implied is not None:  # sides not given are the input's (at most)
+            height, width = params.height or implied[0], params.width or implied[1]
         else:
             height, width = params.height or geometry.native_size, params.width or geometry.native_size
         if not (type(height) is int and type(width) is int and 0 < height <= geometry.max_size
@@ -234,7 +235,8 @@ class EngineCore:
 
     requests = property(lambda self: self.scheduler.requests)
     queue = property(lambda self: self.scheduler.queue)
-    groups = property(lambda self: self.scheduler.groups)
+    groups = property(lambda self: self.scheduler.groups)  # the slot maps, by group key
+    storage = property(lambda self: self.runner.storage)  # each group's slot storage, by group key
     batches = property(lambda self: self.scheduler.batches)
     row_limit = property(lambda self: self.scheduler.row_limit)
     inflight = property(lambda self: self.reaper.inflight)
@@ -271,35 +273,15 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def _run(self, group) -> None:
-        launch, culprits = self.runner.run(group)
-        self.reaper.inflight.append(launch)
-        for slot, error in culprits.items():
-            request = group.requests[slot]
-            self.scheduler.fail(request, f"the denoiser raised {type(error).__name__}: {error}")
-            self.reaper.drain(request)  # now, or when the fence of its last launch is done
+    def _run(self, plan: StepPlan) -> list:
+        outcome = self.runner.execute(plan)
+        group = self.scheduler.groups[plan.key]
+        reports = [Report(group, slot, int(group.epoch[slot]), request, step, final, outcome.previews.get(slot))
+                   for slot, step, request, final in self.scheduler.update_from_output(plan, outcome)]
+        self.reaper.inflight.append(Launch(outcome.fence, reports, outcome.finite))
+        outputs = []
+        for slot in outcome.failed:
+            outputs += self.reaper.drain(group.requests[slot])  # now, or when its last launch's fence is done
         if self.window is not None:
-            self.window.admit(launch.fence)
-
-    def _acquire_adapters(self, request: Request) -> bool:
-        """Admission: make the request's adapters resident and reference them (False: they
-        cannot all be resident now; it waits, as for memory). Their pool slots become the
-        request's `lora_index` rows."""
-        loras = request.params.loras
-        if not loras:
-            return True
-        try:
-            slots = self.adapters.acquire(list(loras))
-        except Exception as exc:  # the file changed or broke since validation: this request fails
-            self.scheduler.fail(request, f"adapter could not be loaded: {exc}")
-            return True  # placed and drained at once by the encode phase
-        if slots is None:
-            return False
-        request.adapters = tuple(slots)
-        request.request_inputs.update(self.adapters.row_inputs(slots, list(loras.values())))
-        return True
-
-    def _released(self, request: Request) -> None:
-        if request.adapters and self.adapters is not None:
-            self.adapters.release(request.adapters)
-            request.adapters = ()
+            self.window.admit(outcome.fence)
+        return outputs

@@ -67,7 +67,7 @@ class GraphedDenoiser:
     """`model.run` through one graph per (field, shape, dtype) of its `ModelInputs`: the
     same per-row input structure as the eager path, captured on buffers of its fields."""
 
-    def __init__(self, model, capture, max_graphs: int = 32):
+    def __init__(self, model, capture, layout_version=None, max_graphs: int = 32):
         self.model, self.capturer = model, capture
         # key → (replay, output, input buffers), least recently replayed first; at most
         # `max_graphs` (R22: every size a client asks for would otherwise keep its graph)
@@ -76,8 +76,9 @@ class GraphedDenoiser:
         self.evictions = 0
         self.failed: set[tuple] = set()  # keys whose capture raised: those run eagerly
         self.replays = 0
-        # what else a capture depends on: the adapter pool's layer layout (engine.lora)
-        self.layout_version = lambda: 0
+        # what else a capture depends on: the adapter pool's layer layout
+        # (`AdapterResidency.layout_version`), read at every call
+        self.layout_version = layout_version or (lambda: 0)
 
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
         named = inputs.named()

@@ -1,12 +1,12 @@
 """Intake: a request's parameters checked against the served model and turned into a
-`Request` (R11: every bad field rejected by name), with its schedule (from a bounded
-cache), its reservation, its group key and its per-request model inputs."""
+`Request` (every bad field rejected by name), with its schedule (from a bounded cache),
+its reservation, its group key, its per-request model inputs and each input kind's
+checked value."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 
-from engine.core.image_inputs import checked_image_inputs, default_size
 from engine.core.ledger import reservation_for
 from engine.core.outputs import RequestRejected
 from engine.core.requests import Request
@@ -16,9 +16,9 @@ from engine.protocol import GenerateParams
 
 
 class Intake:
-    def __init__(self, model, geometry, config, ledger, adapters=None):
+    def __init__(self, model, geometry, config, ledger, kinds):
         self.model, self.geometry, self.config, self.ledger = model, geometry, config, ledger
-        self.adapters = adapters
+        self.kinds = kinds  # engine.core.input_kinds: every per-request input kind
         # denoiser evaluations a schedule may take: generic schedulers may run more than one per
         # step (PNDM one more, Heun 2 × steps − 1)
         self.schedule_capacity = 2 * config.max_steps + 1
@@ -27,19 +27,20 @@ class Intake:
     def request(self, request_id: str, p: GenerateParams, arrival: float) -> Request:
         """A validated `Request`; raises RequestRejected naming the field."""
         model = self.model
-        images = checked_image_inputs(model, self.geometry, p, self.config.max_input_bytes)
-        height, width = checked_size(model, self.geometry, p, self.config.max_steps, default_size(model, images))
+        values = {kind.name: kind.check(p) for kind in self.kinds}
+        used = [kind for kind in self.kinds if values[kind.name] is not None]
+        implied = next((kind.output_size(values[kind.name]) for kind in used
+                        if kind.output_size(values[kind.name]) != (None, None)), (None, None))
+        height, width = checked_size(model, self.geometry, p, self.config.max_steps, implied)
         unusable = model.check_params(p)
         if unusable:
             raise RequestRejected(unusable[1], unusable[0])
-        if images is not None:
-            images.fit(model, p.steps, height, width)
-        adapters = self._check_adapters(p)
+        starts = [kind.start_step(values[kind.name], p.steps, height, width) for kind in used]
+        start = max((s for s in starts if s is not None), default=None)  # None: the full schedule
         cfg_scale = model.cfg_scale(p)
         try:
             options = model.schedule_options(height, width, p.steps)
-            schedule = self._schedule(p.sampler, p.steps, cfg_scale or 1.0, options,
-                                      None if images is None else images.start)
+            schedule = self._schedule(p.sampler, p.steps, cfg_scale or 1.0, options, start)
         except UnsupportedSampler as exc:
             raise RequestRejected(str(exc), "sampler") from None
         if schedule.steps > self.schedule_capacity:
@@ -47,35 +48,19 @@ class Intake:
                                   f"{self.schedule_capacity}", "steps")
         latent_shape = self.geometry.latent_shape(height, width)
         rows = 1 if cfg_scale is None else 2
-        reservation = reservation_for(latent_shape, height, width, p.output,
-                                      rows * model.conditioning_nbytes + adapters,
-                                      0 if images is None else images.nbytes(latent_shape))
+        input_bytes = sum(kind.nbytes(values[kind.name], latent_shape) for kind in used)
+        reservation = reservation_for(latent_shape, height, width, p.output, rows * model.conditioning_nbytes,
+                                      input_bytes)
         if not self.ledger.could_ever_fit(reservation):
-            field = "image" if images is not None else "height" if height >= width else "width"
+            field = next((kind.fields[0] for kind in used if kind.nbytes(values[kind.name], latent_shape)),
+                         "height" if height >= width else "width")
             raise RequestRejected("needs more memory than the engine holds at all", field)
         key = (model.revision, latent_shape, str(model.dtype), model.conditioning_layout, model.prediction_type)
         request = Request(request_id, p, latent_shape, cfg_scale, arrival, reservation, key)
         request.trajectory = Trajectory(schedule, p.seed, latent_shape)
         request.request_inputs = model.request_inputs(p, height, width)
-        if self.adapters is not None and not p.loras:  # every row of a pool's model says "no adapter"
-            request.request_inputs.update(self.adapters.row_inputs([], []))
-        request.image_inputs = images
+        request.inputs = {kind.name: values[kind.name] for kind in used}
         return request
-
-    def _check_adapters(self, p: GenerateParams) -> int:
-        """Rejects a bad `loras`. Returns the adapter bytes to reserve per request: none,
-        since resident adapters are shared by every request that references them and the
-        pool's whole byte budget is set aside once (`adapter_budget_bytes` in stats);
-        `check` rejects a set larger than that budget, and admission waits while the pool
-        cannot make a request's adapters resident."""
-        if not p.loras:
-            return 0
-        if self.adapters is None:
-            raise RequestRejected("this engine serves no adapters (start it with --lora-dir)", "loras")
-        why = self.adapters.check(p.loras)
-        if why:
-            raise RequestRejected(why, "loras")
-        return 0
 
     def _schedule(self, sampler: str, steps: int, cfg_scale: float, options: tuple,
                   start: int | None = None) -> Schedule:

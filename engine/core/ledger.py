@@ -1,4 +1,4 @@
-"""Admission's accounting (R8): every byte a request will hold, reserved before it is admitted.
+"""Admission's accounting: every byte a request will hold, reserved before it is admitted.
 
 One source for the sizes: the output bound is `engine.protocol.output_nbytes`, the same
 number the engine process holds against a client's output budget.
@@ -23,7 +23,7 @@ class Reservation:
 
 
 class Ledger:
-    """Admission's accounting (R8): trajectory memory, decode buffers, output bytes."""
+    """Admission's accounting: trajectory memory, decode buffers, output bytes."""
 
     def __init__(self, trajectory_bytes: int, decode_buffers: int, output_bytes: int):
         self.capacity = Reservation(trajectory_bytes, output_bytes, decode_buffers)
@@ -50,7 +50,7 @@ class Ledger:
 
     def give_back_part(self, r: Reservation, nbytes: int) -> None:
         """Return part of a trajectory reservation early: what the request no longer holds
-        (an image request's encoded input bytes, spent in its image-encode phase)."""
+        (an input kind's `spent` bytes, e.g. an encoded image once prepared)."""
         nbytes = min(nbytes, r.trajectory_bytes)
         self.used.trajectory_bytes -= nbytes
         r.trajectory_bytes -= nbytes
@@ -62,18 +62,10 @@ class Ledger:
 
 
 def reservation_for(latent_shape: tuple[int, ...], height: int, width: int, output: str,
-                    conditioning_bytes: int = 0, image_bytes: int = 0) -> Reservation:
-    """What one request holds: its trajectory state, conditioning rows and image inputs
-    (`image_input_nbytes`) while it denoises, then its decode buffer and output bytes
-    until its output is delivered."""
-    trajectory = 4 * math.prod(latent_shape) * TRAJECTORY_ROWS + conditioning_bytes + image_bytes
+                    conditioning_bytes: int = 0, input_bytes: int = 0) -> Reservation:
+    """What one request holds: its trajectory state, conditioning rows and per-request
+    inputs (each input kind's `nbytes`) while it denoises, then its decode buffer and
+    output bytes until its output is delivered."""
+    trajectory = 4 * math.prod(latent_shape) * TRAJECTORY_ROWS + conditioning_bytes + input_bytes
     return Reservation(trajectory, output_nbytes(output, height, width, latent_shape))
 
-
-def image_input_nbytes(latent_shape: tuple[int, ...], input_bytes: int, masked: bool) -> int:
-    """Bytes an image request holds for its inputs: the encoded image (and mask) bytes it
-    arrived with, until its image-encode phase (`Ledger.give_back_part`), and its image
-    latents; with a mask also the slot's kept noise and the mask at latent resolution
-    (one float32 row of the latents each), until its slot is released. The decoded
-    pixels live only from validation through the encode phase, bounded by the queue."""
-    return input_bytes + 4 * math.prod(latent_shape) * (3 if masked else 1)

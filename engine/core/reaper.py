@@ -1,10 +1,12 @@
-"""The reaper: acts on launches and copies whose fences are done (R5, R6).
+"""The reaper: acts on launches and copies whose fences are done.
 
 For each slot a finished launch advanced: drop the report if its (slot, epoch) is stale;
 fail the request if its latents turned non-finite; drain a canceled or failed request's
 slot once no launch touching it is in flight; otherwise report progress and previews,
 and publish the final latents (on CUDA through an asynchronous copy with its own fence),
-releasing the slot only when nothing reads it any more.
+releasing the slot only when nothing reads it any more. `reap` and `drain` return the
+outputs they produce; the scheduler learns of every release and ending through its own
+calls (`release_slot`, `denoised`, `end`).
 """
 from __future__ import annotations
 
@@ -12,19 +14,17 @@ import logging
 
 from engine.core.outputs import DenoiseFinished, PreviewReady, StepProgress
 from engine.core.requests import Request
-from engine.core.slots import Group, HostCopy, Launch
+from engine.core.storage import HostCopy, Launch
 
 log = logging.getLogger("diffslot.core")
 
 
 class Reaper:
-    def __init__(self, scheduler, runner, fences, clock, outputs: list):
+    def __init__(self, scheduler, runner, fences, clock):
         self.scheduler, self.runner, self.fences, self.clock = scheduler, runner, fences, clock
-        self.outputs = outputs
         self.inflight: list[Launch] = []
         self.copies: list[HostCopy] = []
         self.stale_reports = 0
-        self.on_release = None  # called with each request whose slot is released (adapter references)
 
     def pending(self) -> bool:
         return bool(self.inflight) or bool(self.copies)
@@ -37,11 +37,12 @@ class Reaper:
         if pending:
             min(pending, key=lambda fence: fence.seq).wait(timeout_s)
 
-    def reap(self) -> None:
+    def reap(self) -> list:
+        outputs: list = []
         if self.copies:
-            self._finish_copies()
+            self._finish_copies(outputs)
         if not self.inflight:
-            return
+            return outputs
         still = []
         for launch in self.inflight:
             if not launch.fence.done():
@@ -58,54 +59,53 @@ class Reaper:
                     self.scheduler.fail(request, f"non-finite latents at step {rep.step}")
                 if request.stopping:
                     if rep.final or rep.group.last_fence[rep.slot] is launch.fence:
-                        self.drain(request)
+                        outputs += self.drain(request)
                     continue
-                self.outputs.append(StepProgress(request.request_id, rep.step, request.total_steps))
+                outputs.append(StepProgress(request.request_id, rep.step, request.total_steps))
                 if rep.preview is not None:
-                    self.outputs.append(PreviewReady(
+                    outputs.append(PreviewReady(
                         request.request_id, request.preview_steps.index(rep.step), rep.step, request.total_steps,
                         rep.preview.to("cpu").view(request.latent_shape)))  # on CUDA already on the host
                 if rep.final:
-                    self._publish(rep.group, rep.slot, request)
+                    self._publish(request, outputs)
         self.inflight = still
+        return outputs
 
-    def drain(self, request: Request) -> None:
-        """Release a canceled or failed request's slot once no launch touching it is in flight."""
+    def drain(self, request: Request) -> list:
+        """Release a canceled or failed request's slot once no launch touching it is in
+        flight; returns its output then, else nothing (the reaper comes back when that
+        fence completes)."""
         fence = request.group.last_fence[request.slot]
         if fence is not None and not fence.done():
-            return  # the reaper comes back when that fence completes
-        self._release(request)
-        self.scheduler.end(request)
-
-    def _release(self, request: Request) -> None:
+            return []
         self.scheduler.release_slot(request)
-        if self.on_release is not None:
-            self.on_release(request)
+        return [self.scheduler.end(request)]
 
-    def _publish(self, group: Group, slot: int, request: Request) -> None:
+    def _publish(self, request: Request, outputs: list) -> None:
         """The final latents leave the slot. On CUDA as an asynchronous copy into page-locked
         memory gated by its own fence (a synchronous `.to("cpu")` would drain the stream,
         including the step launched since); the slot is released when the copy is done."""
+        latents = self.runner.storage[request.group_key].latents[request.slot]
         if not self.runner.async_copies:
-            self._published(request, group.latents[slot].to("cpu", copy=True))
+            self._published(request, latents.to("cpu", copy=True), outputs)
             return
-        host = self.runner.copy_to_host(group.latents[slot])
-        self.copies.append(HostCopy(self.fences.record(), group, slot, request, host))
+        host = self.runner.copy_to_host(latents)
+        self.copies.append(HostCopy(self.fences.record(), request, host))
 
-    def _finish_copies(self) -> None:
+    def _finish_copies(self, outputs: list) -> None:
         still = []
         for copy in self.copies:
             if not copy.fence.done():
                 still.append(copy)
             elif copy.request.stopping:  # canceled while its latents were on their way out
-                self._release(copy.request)
-                self.scheduler.end(copy.request)
+                self.scheduler.release_slot(copy.request)
+                outputs.append(self.scheduler.end(copy.request))
             else:
-                self._published(copy.request, copy.host)
+                self._published(copy.request, copy.host, outputs)
         self.copies = still
 
-    def _published(self, request: Request, host) -> None:
+    def _published(self, request: Request, host, outputs: list) -> None:
         self.scheduler.denoised(request)
-        self._release(request)
-        self.outputs.append(DenoiseFinished(request.request_id, host.view(request.latent_shape), request.params,
-                                            request.timings, self.clock()))
+        self.scheduler.release_slot(request)
+        outputs.append(DenoiseFinished(request.request_id, host.view(request.latent_shape), request.params,
+                                       request.timings, self.clock()))

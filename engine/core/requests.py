@@ -39,14 +39,21 @@ class Request:
     reservation: Any  # engine.core.ledger.Reservation
     group_key: tuple = ()  # what must agree for requests to share a denoiser call (R2)
     trajectory: Any = None  # engine.core.solvers.Trajectory: schedule and random stream
-    request_inputs: dict = dataclasses.field(default_factory=dict)  # per-request model inputs, 2 × field each
+    # each input kind's checked value (kind name → value), until its preparation at admission
+    inputs: dict = dataclasses.field(default_factory=dict)
+    # what preparation leaves for the slot: per-request model inputs (2 × field each: the
+    # conditional branch's row, the unconditional one's), its prompt rows (prompt, negative),
+    # its first latents where they are not its initial noise, and each kind's slot value
+    request_inputs: dict = dataclasses.field(default_factory=dict)
+    conditioning: tuple = (None, None)
+    start: Any = None  # engine.core.input_kinds.image.StartLatents, or None: the initial noise
+    slot_inputs: dict = dataclasses.field(default_factory=dict)
     adapters: tuple[int, ...] = ()  # adapter-pool slots it references (released after its fence)
-    image_inputs: Any = None  # engine.core.image_inputs.ImageInputs: its decoded image and mask, until encoded
     preview_steps: tuple[int, ...] = ()  # steps after which the x0 estimate is published
     status: RequestStatus = RequestStatus.QUEUED
     ending: Ending | None = None
     failure: str | None = None  # why it failed (R15)
-    group: Any = None  # the SlotMap it runs in
+    group: Any = None  # the scheduler's SlotMap it runs in
     slot: int = -1
     admitted_at: float = 0.0
     bypassed: int = 0  # requests admitted past it while it waited for memory (bounded)

@@ -1,8 +1,12 @@
-"""The runner: how one group's step runs. Builds the row map and gathers the per-row
-model inputs from slot-owned state, uploads the step's small arrays, calls the denoiser
+"""The runner: how one group's step runs, on its own storage. It applies the scheduler's
+`AdmissionPlan` to the slot storage (slots freed, groups made and evicted, requests
+placed) and executes a `StepPlan`: builds the row map and gathers the per-row model
+inputs from slot-owned state, uploads the step's small arrays, calls the denoiser
 (eagerly or through a CUDA graph, in row chunks after an out-of-memory), isolates the
-requests whose rows make it raise (R15), applies the fused per-slot update (R3) and
-the generic schedulers' steps, takes x0 previews, and records the launch's fence."""
+requests whose rows make it raise, applies the fused per-slot update and the generic
+schedulers' steps, lets each input kind's slot state act after the update (inpainting's
+known region), takes x0 previews and records the launch's fence. It returns a
+`StepOutcome`; it never reads or writes the scheduler's state."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +18,9 @@ import torch
 
 from engine.core.device import PinnedBuffers, StepTimer
 from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
-from engine.core.kernels import blend_known_region, update_slots
-from engine.core.slots import Batch, Group, Launch, Report
+from engine.core.kernels import update_slots
+from engine.core.plan import AdmissionPlan, StepOutcome, StepPlan
+from engine.core.storage import Batch, SlotStorage
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
 
@@ -23,10 +28,11 @@ log = logging.getLogger("diffslot.core")
 
 
 class Runner:
-    def __init__(self, model, config, device: torch.device, fences, scheduler, schedule_capacity: int):
+    def __init__(self, model, config, device: torch.device, fences, schedule_capacity: int,
+                 graph_layout_version=None):
         self.model, self.config, self.device, self.fences = model, config, device, fences
-        self.scheduler = scheduler  # for the row limit and advancing the slots of a launch
         self.schedule_capacity = schedule_capacity
+        self.storage: dict[tuple, SlotStorage] = {}
         self.timer = StepTimer(device)  # device time per step (host time says nothing on CUDA)
         self.denoiser_s = 0.0  # host seconds inside one-call denoiser steps: on a CPU, its busy time
         self.useful_rows = self.padded_rows = 0
@@ -35,17 +41,46 @@ class Runner:
         # bucketed layout on CUDA: each bucket's denoiser call is captured once and replayed
         self.graphed: GraphedDenoiser | None = None
         if config.cuda_graphs and config.layout == "bucketed" and device.type == "cuda":
-            self.graphed = GraphedDenoiser(model, CudaGraphCapture(device))
+            self.graphed = GraphedDenoiser(model, CudaGraphCapture(device), graph_layout_version)
 
-    def make_group(self, key: tuple, latent_shape: tuple[int, int, int]) -> Group:
-        return Group(key, latent_shape, self.config.slots, self.schedule_capacity, self.device)
+    # ---- the storage -----------------------------------------------------------------
+
+    def make_storage(self, key: tuple, latent_shape: tuple[int, int, int]) -> SlotStorage:
+        return SlotStorage(key, latent_shape, self.config.slots, self.schedule_capacity, self.device)
+
+    def apply(self, plan: AdmissionPlan) -> dict[tuple, Exception]:
+        """The plan's changes to the storage, but its placements (`place`, once the
+        preparation phase has readied them). Returns the new groups whose storage could not
+        be allocated, with the error: their requests fail, not the engine."""
+        for key, slot in plan.released:
+            storage = self.storage.get(key)
+            if storage is not None:
+                storage.release(slot)
+        for key in plan.evicted:
+            self.storage.pop(key, None)
+        failed = {}
+        for key, latent_shape in plan.new_groups:
+            try:
+                self.storage[key] = self.make_storage(key, latent_shape)
+            except MemoryError as exc:
+                failed[key] = exc
+        return failed
+
+    def place(self, requests) -> None:
+        """Start the slots of newly admitted, prepared requests."""
+        for request in requests:
+            self.storage[request.group_key].place(request.slot, request)
 
     # ---- the row map ---------------------------------------------------------------
 
-    def build_batch(self, group: Group) -> Batch:
+    def build_batch(self, plan: StepPlan) -> Batch:
+        group = self.storage[plan.key]
         layout = self.config.layout
-        act = np.flatnonzero(group.runnable)
-        steps = group.step_index[act]
+        act, steps = plan.slots, plan.steps
+        runnable = np.zeros(group.slots, dtype=bool)
+        runnable[act] = True
+        step_index = np.zeros(group.slots, dtype=np.int64)
+        step_index[act] = steps
         two = group.two_rows[act]
         if layout == "padded":
             # a fixed batch: every slot, both branches, whatever it holds
@@ -66,16 +101,17 @@ class Runner:
                 row_branch_uncond = np.concatenate([row_branch_uncond, np.ones(pad, dtype=bool)])
         useful = int(act.size + two.sum())
         # per-row input divisor and timestep at the row's slot's own step (idle slots: step 0)
-        row_step = np.where(group.runnable[row_slot], group.step_index[row_slot], 0)
+        row_step = step_index[row_slot]
         row_divisor = group.divisor_table[row_slot, row_step]
         row_timestep = group.timestep_table[row_slot, row_step]
         # each row's inputs: its slot's (the negative prompt's on the uncond branch); padding
         # rows and idle slots borrow an active slot's, their output unused
-        cond_slot = np.where(group.runnable[row_slot], row_slot, act[0])
+        cond_slot = np.where(runnable[row_slot], row_slot, act[0])
         branch = (row_branch_uncond & group.two_rows[cond_slot]).astype(np.int64)
         row_conditioning = group.conditioning[cond_slot, branch].tolist()
         # noise, drawn from each stochastic request's own generator, in its own order
         generic = group.generic[act]
+        requests = dict(zip(act.tolist(), plan.requests))
         kernel = ~generic
         noisy = np.flatnonzero(group.stochastic[act][kernel])
         noise_row = np.full(int(kernel.sum()), -1, dtype=np.int64)
@@ -83,19 +119,12 @@ class Runner:
         kernel_slots = act[kernel]
         noise = None
         if noisy.size:  # up with the step's other arrays (page-locked staging on CUDA)
-            requests = group.requests
-            noise = torch.stack([requests[s].trajectory.step_noise(int(group.step_index[s]))
+            noise = torch.stack([requests[s].trajectory.step_noise(int(step_index[s]))
                                  for s in kernel_slots[noisy].tolist()]).numpy()
         index = np.stack([kernel_slots, cond_row[kernel], uncond_row[kernel], noise_row], axis=1).astype(np.int32)
         coefs = group.coef_table[kernel_slots, steps[kernel]]
         arrays = {"index": index, "coefs": coefs, "row_slot": row_slot, "row_divisor": row_divisor,
                   "row_timestep": row_timestep, "row_input": 2 * cond_slot + branch}
-        # inpainting: the slots that keep their known region after this step, with the add_noise
-        # coefficients of the timestep each reaches next
-        masked_slots = act[group.masked[act]]
-        arrays["masked_index"] = masked_slots.astype(np.int32)
-        arrays["masked_coefs"] = (group.noising_table[masked_slots, group.step_index[masked_slots]]
-                                  if masked_slots.size else np.zeros((0, 2), dtype=np.float32))
         if noise is not None:
             arrays["noise"] = noise
         dev = self._upload(group, arrays)
@@ -110,10 +139,9 @@ class Runner:
             slots=act, index=dev["index"], index_host=index, coefs=dev["coefs"],
             generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),
             row_slot=row_slot, row_index=dev["row_slot"], row_divisor=dev["row_divisor"], inputs=inputs,
-            noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful, masked_slots=masked_slots,
-            masked_index=dev["masked_index"], masked_coefs=dev["masked_coefs"])
+            noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful)
 
-    def _upload(self, group: Group, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def _upload(self, group: SlotStorage, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """The step's small arrays on the device. On CUDA through persistent page-locked
         staging, packed: one asynchronous host-to-device copy a step (a `non_blocking` copy
         from pageable memory would be synchronous); on CPU the arrays themselves."""
@@ -125,7 +153,6 @@ class Runner:
                 "index": (np.int32, (entries, 4)), "coefs": (np.float32, (entries, NUM_COEFS)),
                 "row_slot": (np.int64, (rows,)), "row_divisor": (np.float32, (rows,)),
                 "row_timestep": (np.float32, (rows,)), "row_input": (np.int64, (rows,)),
-                "masked_index": (np.int32, (entries,)), "masked_coefs": (np.float32, (entries, 2)),
                 "noise": (np.float32, (entries, group.numel))}, self.device)
         staged = group.staging.acquire()
         for name, array in arrays.items():
@@ -135,15 +162,17 @@ class Runner:
     # ---- one step --------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, group: Group) -> tuple[Launch, dict[int, Exception]]:
-        """Run one step of `group`. Returns the launch and the slots whose rows made the
-        denoiser raise (their requests fail; every other slot's step stands)."""
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        """Run one step of the plan's group. The outcome says which slots' steps were
+        launched, which slots' rows made the denoiser raise (every other slot's step
+        stands), and the rows per call that fit if the device ran out of memory."""
         timing = self.timer.start()
-        batch = self.build_batch(group)
+        group = self.storage[plan.key]
+        batch = self.build_batch(plan)
         x_in = group.latents.index_select(0, batch.row_index) / batch.row_divisor[:, None]  # as scale_model_input
         x_in = x_in.view(len(batch.row_slot), *group.latent_shape)
         for slot, cond_row, uncond_row in batch.generic.tolist():  # the scheduler's own scaling
-            trajectory, t = group.requests[slot].trajectory, self._generic_timestep(group, slot)
+            trajectory, t = plan.request_at(slot).trajectory, self._generic_timestep(plan, slot)
             scaled = trajectory.scale_model_input(group.latents[slot].view(1, *group.latent_shape), t)
             x_in[cond_row] = scaled[0]
             if uncond_row >= 0:
@@ -153,17 +182,19 @@ class Runner:
             x_in = x_in.contiguous(memory_format=torch.channels_last)
         inputs = dataclasses.replace(batch.inputs, sample=x_in.to(self.model.dtype))
         culprits: dict[int, Exception] = {}
+        self._row_limit, self._row_limit_changed = plan.row_limit, False
         try:
             out = self._denoise_fitting(inputs)
-        except Exception as exc:  # R15: find the requests that cause it; the others go on
+        except Exception as exc:  # find the requests that cause it; the others go on
             out, batch, culprits = self._isolate_failure(group, batch, inputs, exc)
-        previews = self._previews(group, batch, out)
+        previews = self._previews(plan, group, batch, out)
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
-            self._step_generic(group, batch, out, previews)
-        if batch.masked_slots.size:  # inpainting: the known region back, after every sampler's update
-            blend_known_region(group.latents, group.image_latents, group.image_noise, group.mask,
-                               batch.masked_index, batch.masked_coefs)
+            self._step_generic(plan, group, batch, out, previews)
+        if group.kind_states:  # e.g. inpainting: the known region back, after every sampler's update
+            steps = np.array([plan.step_at(s) for s in batch.slots.tolist()], dtype=np.int64)
+            for state in group.kind_states.values():
+                state.after_update(group.latents, batch.slots, steps)
         if previews and self.async_copies:  # to the host behind this step's fence, not by a draining .to("cpu")
             previews = {slot: None if x0 is None else self.copy_to_host(x0) for slot, x0 in previews.items()}
         # one reduction per step over the group's slots, copied to the host behind the step's
@@ -176,18 +207,17 @@ class Runner:
         fence = self.fences.record()
         self.useful_rows += batch.useful_rows
         self.padded_rows += batch.padded_rows
-        reports = []
-        for slot, step, request, final in self.scheduler.launched(group, fence, batch.slots.tolist()):
-            request.timings.padded_evals += batch.padded_rows
-            reports.append(Report(group, slot, int(group.epoch[slot]), request, step, final, previews.get(slot)))
         self.timer.stop(timing)
-        return Launch(fence, reports, finite), culprits
+        return StepOutcome(fence=fence, advanced=batch.slots, useful_rows=batch.useful_rows,
+                           padded_rows=batch.padded_rows, previews=previews, finite=finite,
+                           failed={slot: f"{type(error).__name__}: {error}" for slot, error in culprits.items()},
+                           row_limit=self._row_limit if self._row_limit_changed else None)
 
     def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once
         the device has run out of memory for more."""
         n = inputs.rows
-        limit = self.scheduler.row_limit
+        limit = self._row_limit
         if rows is None and (limit is None or limit >= n):  # the common case: one call
             started = time.perf_counter()
             out = (self.graphed or self.model.run)(inputs)
@@ -209,16 +239,15 @@ class Runner:
             try:
                 return self._denoise(inputs)
             except Exception as exc:
-                rows = self.scheduler.row_limit or inputs.rows
+                rows = self._row_limit or inputs.rows
                 if not _out_of_memory(exc) or rows == 1:
                     raise
-                limit = self.scheduler.out_of_memory(rows)
-                log.warning("device out of memory at %d rows: now at most %d rows a call and %d slots a group",
-                            rows, limit, self.scheduler.slot_cap())
+                self._row_limit, self._row_limit_changed = max(1, rows // 2), True
+                log.warning("device out of memory at %d rows: now at most %d rows a call", rows, self._row_limit)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
-    def _isolate_failure(self, group: Group, batch: Batch, inputs: ModelInputs, exc: Exception):
+    def _isolate_failure(self, group: SlotStorage, batch: Batch, inputs: ModelInputs, exc: Exception):
         """The batch raised: run its requests' rows again in halves until the requests that
         raise alone are found; keep every other row's output. Noise was drawn before the
         denoiser, once, so no request's random stream shifts."""
@@ -252,38 +281,34 @@ class Runner:
         batch = dataclasses.replace(batch, index=batch.index[keep], index_host=batch.index_host[keep_entries],
                                     coefs=batch.coefs[keep], generic=batch.generic[keep_generic],
                                     slots=batch.slots[~np.isin(batch.slots, bad)])
-        if batch.masked_slots.size:
-            keep_masked = ~np.isin(batch.masked_slots, bad)
-            kept = torch.from_numpy(keep_masked).to(self.device)
-            batch = dataclasses.replace(batch, masked_slots=batch.masked_slots[keep_masked],
-                                        masked_index=batch.masked_index[kept], masked_coefs=batch.masked_coefs[kept])
         return out, batch, culprits
 
-    def _previews(self, group: Group, batch: Batch, out: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _previews(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor) -> dict:
         """x0 estimates of the slots whose preview is due after this step: the guided output
         converted to the data prediction, x0 = p·x + q·out (the kernel's own first stage)."""
         due = {}
         for j, (slot, cond_row, uncond_row, _) in enumerate(batch.index_host.tolist()):
-            if int(group.step_index[slot]) + 1 not in group.requests[slot].preview_steps:
+            if plan.step_at(slot) + 1 not in plan.request_at(slot).preview_steps:
                 continue
             guided = out[cond_row] if uncond_row < 0 else \
                 out[uncond_row] + batch.coefs[j, G] * (out[cond_row] - out[uncond_row])
             due[slot] = batch.coefs[j, P] * group.latents[slot] + batch.coefs[j, Q] * guided.float()
         for slot, cond_row, uncond_row in batch.generic.tolist():
-            if int(group.step_index[slot]) + 1 in group.requests[slot].preview_steps:
+            if plan.step_at(slot) + 1 in plan.request_at(slot).preview_steps:
                 due[slot] = None  # filled from the scheduler's own x0 in `_step_generic`
         return due
 
-    def _generic_timestep(self, group: Group, slot: int) -> torch.Tensor:
-        trajectory = group.requests[slot].trajectory  # an image request runs the schedule's tail from `begin`
-        return trajectory.scheduler.timesteps[trajectory.schedule.begin + int(group.step_index[slot])]
+    def _generic_timestep(self, plan: StepPlan, slot: int) -> torch.Tensor:
+        trajectory = plan.request_at(slot).trajectory  # an image request runs the schedule's tail from `begin`
+        return trajectory.scheduler.timesteps[trajectory.schedule.begin + plan.step_at(slot)]
 
-    def _step_generic(self, group: Group, batch: Batch, out: torch.Tensor, previews: dict) -> None:
+    def _step_generic(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor,
+                      previews: dict) -> None:
         """Slots whose scheduler the kernel does not express: the guidance combine as the
         pipeline writes it, then the request's own scheduler's `step`."""
         shape = (1, *group.latent_shape)
         for slot, cond_row, uncond_row in batch.generic.tolist():
-            request = group.requests[slot]
+            request = plan.request_at(slot)
             guided = out[cond_row]
             if uncond_row >= 0:
                 uncond = out[uncond_row]
@@ -292,7 +317,7 @@ class Runner:
                 guided = guided.clone()  # output buffer is rewritten by the next replay
             x = group.latents[slot].view(shape).clone()  # schedulers keep references (PNDM's cur_sample)
             x_next, x0 = request.trajectory.scheduler_step(guided.view(shape).float(),
-                                                           self._generic_timestep(group, slot), x)
+                                                           self._generic_timestep(plan, slot), x)
             group.latents[slot].copy_(x_next.reshape(-1))
             if slot in previews:  # the scheduler's own x0 where it reports one (PNDM does not)
                 previews[slot] = (x0 if x0 is not None else x_next).reshape(-1).clone()

@@ -1,12 +1,20 @@
 """The scheduler: what runs (torch-free, testable with no model).
 
 It owns the queue in front of admission, the ledger, the groups' slot maps and every
-request's state. At a step boundary `admit` places queued requests into free slots of
-their group when everything they will hold fits (R8), and `pick_group` chooses the one
-group whose batch runs next (R2: the runnable group served longest ago). The runner
-executes; the reaper reports back through `release_slot` and `end`.
+request's state, and it talks to the runner only in data (`engine.core.plan`): at a step
+boundary `admit` places queued requests into free slots of their group when everything
+they will hold fits, and returns an `AdmissionPlan` (placements, new and evicted groups,
+slots freed since the last plan); `next_step` returns the `StepPlan` of the group whose
+batch runs next (the runnable group served longest ago); `update_from_output` applies the
+runner's `StepOutcome` (steps advanced, rows failed, the row limit after an out-of-memory).
+The reaper reports fences back through `release_slot`, `denoised` and `end`; every method
+that ends a request returns its output message rather than keeping a list.
 
-Bounds (R22): at most `max_groups` groups live at once (an idle group is evicted, least
+Adapters are a resource of admission, like memory: a request is placed only when the
+adapter pool (`engine.lora.interface.AdapterResidency`) makes its adapters resident;
+their references are dropped with the slot, after its fence.
+
+Bounds: at most `max_groups` groups live at once (an idle group is evicted, least
 recently served first, to make room for a new key); a request that does not fit in
 memory now lets at most `bypass_limit` later requests pass it, then admission waits for
 it (no starvation); after the device ran out of memory, the row limit per call recovers
@@ -25,8 +33,11 @@ import collections
 import logging
 from typing import Callable, Iterable
 
+import numpy as np
+
 from engine.core.ledger import Ledger
 from engine.core.outputs import RequestCanceled, RequestFailed, RequestRejected
+from engine.core.plan import AdmissionPlan, StepOutcome, StepPlan
 from engine.core.requests import Ending, Request, RequestStatus
 from engine.core.slot_map import SlotMap
 
@@ -34,16 +45,11 @@ log = logging.getLogger("diffslot.core")
 
 
 class Scheduler:
-    def __init__(self, config, ledger: Ledger, make_group: Callable[[tuple, tuple], SlotMap],
-                 clock: Callable[[], float], outputs: list, acquire: Callable[[Request], bool] | None = None):
+    def __init__(self, config, ledger: Ledger, clock: Callable[[], float], adapters=None):
         self.config = config
         self.ledger = ledger
-        self.make_group = make_group
         self.clock = clock
-        self.outputs = outputs  # shared with the core: what `step()` returns
-        # admission's last check: resources outside the ledger (adapters made resident); False:
-        # the request waits, as for memory
-        self.acquire = acquire
+        self.adapters = adapters  # engine.lora.interface.AdapterResidency, or None
         self.queue: collections.deque[Request] = collections.deque()
         self.requests: dict[str, Request] = {}
         self.groups: dict[tuple, SlotMap] = {}
@@ -53,6 +59,7 @@ class Scheduler:
         self.group_wait_max = 0  # head-of-line blocking: most batches a runnable group waited
         self.counters = collections.Counter()
         self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
+        self._released: list[tuple[tuple, int]] = []  # slots freed since the last plan
 
     # ---- requests in ----------------------------------------------------------------
 
@@ -67,10 +74,10 @@ class Scheduler:
         request.admitted_mark = self.admitted_evals
         self.queue.append(request)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Request]:
-        """Mark each live request canceled. Returns the running ones: their slots drain
-        after the fence of their last launch (the caller knows the fences)."""
-        running = []
+    def abort(self, request_ids: Iterable[str]) -> tuple[list[Request], list]:
+        """Mark each live request canceled. Returns (the running ones, whose slots drain after
+        the fence of their last launch, which the caller knows; the outputs of the others)."""
+        running, outputs = [], []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.stopping or request.status is RequestStatus.DONE:
@@ -81,19 +88,19 @@ class Scheduler:
             log.info("request %s canceled while %s", rid, request.status.value)
             if request.status is RequestStatus.QUEUED:
                 self.queue.remove(request)
-                self.end(request)
+                outputs.append(self.end(request))
             elif request.status is RequestStatus.RUNNING:
                 request.group.runnable[request.slot] = False
                 running.append(request)
             elif request.status is RequestStatus.DECODING:
                 # the decode stage drops its output; decode_done returns the buffer
-                self.outputs.append(RequestCanceled(rid, self.final_timings(request)))
+                outputs.append(RequestCanceled(rid, self.final_timings(request)))
             # FINISHING: the reaper sees the ending when the final fence completes
-        return running
+        return running, outputs
 
     def fail(self, request: Request, reason: str) -> None:
-        """Fail one request (R15): no new work for it; its slot is released after the
-        fence of its last launch, as a cancel's, and it ends with RequestFailed(reason)."""
+        """Fail one request: no new work for it; its slot is released after the fence of
+        its last launch, as a cancel's, and it ends with RequestFailed(reason)."""
         if request.stopping:
             return
         request.ending, request.failure = Ending.FAILED, reason
@@ -123,26 +130,29 @@ class Scheduler:
         order = [(0, k) if self.aged(r) else (1, r.remaining_evals) for k, r in enumerate(self.queue)]
         return [r for _, r in sorted(zip(order, self.queue), key=lambda pair: pair[0])]
 
-    def admit(self) -> list[Request]:
-        """Place what fits at this step boundary; returns the placed requests (whose
-        prompts the encode phase then attaches)."""
+    def admit(self) -> AdmissionPlan:
+        """Place what fits at this step boundary. The plan also carries the slots freed
+        and the groups made or evicted since the last one, for the runner's storage."""
+        plan = AdmissionPlan(released=self._released)
+        self._released = []
         if self.config.admission == "static" and any(g.active for g in self.groups.values()):
-            return []  # a new batch only when the last one is finished, as a pipeline call
-        placed: list[Request] = []
+            return plan  # a new batch only when the last one is finished, as a pipeline call
         waiting_for_memory: list[Request] = []
         full_groups: set[tuple] = set()
         for request in self._candidates():
             if waiting_for_memory and any(r.bypassed >= self.config.bypass_limit for r in waiting_for_memory):
                 break  # an aged request waits for memory: nobody passes it any more
-            key = self.group_key(request)
+            key = request.group_key
             if key in full_groups:
                 continue  # FIFO within a group: once full, its later requests wait too
-            group = self.groups.get(key) or self._new_group(key, request)
+            group = self.groups.get(key) or self._new_group(key, request, plan)
             slot = -1 if group is None or group.active >= self.slot_cap() else group.free_slot()
             if slot < 0:
                 full_groups.add(key)
                 continue
-            if not self.ledger.fits(request.reservation) or (self.acquire is not None and not self.acquire(request)):
+            if not self.ledger.fits(request.reservation) or not self._acquire_adapters(request, plan):
+                if request.stopping:
+                    continue  # its adapter cannot be loaded: it ended
                 waiting_for_memory.append(request)  # a known boundary: it waits, others may pass
                 continue
             for waiting in waiting_for_memory:
@@ -151,13 +161,29 @@ class Scheduler:
             self.admitted_evals += request.remaining_evals
             self.ledger.take(request.reservation)
             self._place(request, group, slot)
-            placed.append(request)
-        return placed
+            plan.placed.append(request)
+        return plan
 
-    def group_key(self, request: Request) -> tuple:
-        return request.group_key
+    def _acquire_adapters(self, request: Request, plan: AdmissionPlan) -> bool:
+        """Make the request's adapters resident and reference them; False when they cannot
+        all be resident now (it waits, as for memory) or cannot be loaded at all (it fails
+        here, never placed)."""
+        loras = request.params.loras
+        if not loras or self.adapters is None:
+            return True
+        try:
+            slots = self.adapters.acquire(list(loras))
+        except Exception as exc:  # the file changed or broke since validation: this request fails
+            self.queue.remove(request)
+            self.fail(request, f"adapter could not be loaded: {exc}")
+            plan.outputs.append(self.end(request))
+            return False
+        if slots is None:
+            return False
+        request.adapters = tuple(slots)
+        return True
 
-    def _new_group(self, key: tuple, request: Request) -> SlotMap | None:
+    def _new_group(self, key: tuple, request: Request, plan: AdmissionPlan) -> SlotMap | None:
         """A group for a new key, evicting an idle one when `max_groups` are live; None
         when every live group is busy (the request waits)."""
         if len(self.groups) >= self.config.max_groups:
@@ -166,29 +192,38 @@ class Scheduler:
                 return None
             victim = min(idle, key=lambda g: g.last_served)
             del self.groups[victim.key]
+            plan.evicted.append(victim.key)
             self.counters["groups_evicted"] += 1
             log.debug("idle group %s evicted", victim.key)
-        try:
-            group = self.make_group(key, request.latent_shape)
-        except MemoryError as exc:  # the allocation fails the request that needed it, not the engine
-            self.queue.remove(request)
-            self.fail(request, f"no memory for a group of its size ({exc})")
-            self.end(request)
-            return None
-        self.groups[key] = group
+        group = self.groups[key] = SlotMap(key, request.latent_shape, self.config.slots)
+        plan.new_groups.append((key, request.latent_shape))
         return group
+
+    def storage_failed(self, key: tuple, error: Exception) -> list:
+        """The runner could not allocate a new group's storage: the requests placed in it
+        fail (the allocation fails the requests that needed it, not the engine) and the
+        group goes. Returns their outputs."""
+        group = self.groups.pop(key)
+        outputs = []
+        for request in [r for r in group.requests if r is not None]:
+            self.fail(request, f"no memory for a group of its size ({error})")
+            if request.adapters and self.adapters is not None:
+                self.adapters.release(request.adapters)
+                request.adapters = ()
+            outputs.append(self.end(request))
+        return outputs
 
     def _place(self, request: Request, group: SlotMap, slot: int) -> None:
         group.place(request, slot)
         request.status = RequestStatus.RUNNING
-        request.admitted_at = self.clock()  # moved past its encode pass by the encode phase
+        request.admitted_at = self.clock()  # moved past its encode pass by the preparation phase
         request.timings.queue_s = request.admitted_at - request.arrival
         log.info("request %s admitted to slot %d (epoch %d)", request.request_id, slot, group.epoch[slot])
 
     # ---- one step -----------------------------------------------------------------
 
-    def pick_group(self) -> SlotMap | None:
-        """Fair across groups: the runnable group served longest ago goes next."""
+    def next_step(self) -> StepPlan | None:
+        """Fair across groups: the runnable group served longest ago runs next."""
         runnable = [g for g in self.groups.values() if g.runnable.any()]
         if not runnable:
             return None
@@ -196,23 +231,36 @@ class Scheduler:
         for g in runnable:
             if g is not group:
                 self.group_wait_max = max(self.group_wait_max, self.batches - g.last_served)
-        return group
+        slots = np.flatnonzero(group.runnable)
+        return StepPlan(group.key, slots, group.step_index[slots].copy(), [group.requests[s] for s in slots],
+                        group.slots, self.row_limit)
 
-    def launched(self, group: SlotMap, fence, slots: Iterable[int]) -> list[tuple[int, int, Request, bool]]:
-        """A batch of `group` was launched: advance its slots. Returns (slot, step, request,
-        final) for each."""
+    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int, Request, bool]]:
+        """Apply what the runner did: its failed rows fail their requests; every launched
+        slot advances one step. Returns (slot, step, request, final) for each launched slot."""
+        group = self.groups[plan.key]
         self.batches += 1
         group.last_served = self.batches
-        if self.row_limit is not None:
+        if outcome.row_limit is not None:
+            self.row_limit, self._batches_at_limit = outcome.row_limit, 0
+            self.counters["oom_splits"] += 1
+            log.warning("device out of memory: now at most %d rows a call and %d slots a group",
+                        self.row_limit, self.slot_cap())
+        elif self.row_limit is not None:
             self._batches_at_limit += 1
             if self._batches_at_limit >= self.config.oom_recovery_batches:
                 self._recover_row_limit()
+        for slot, why in outcome.failed.items():
+            request = group.requests[slot]
+            group.last_fence[slot] = outcome.fence
+            self.fail(request, f"the denoiser raised {why}")
         advanced = []
-        for slot in slots:
+        for slot in outcome.advanced.tolist():
             request = group.requests[slot]
             request.timings.evals += request.rows_per_step
+            request.timings.padded_evals += outcome.padded_rows
             group.step_index[slot] += 1
-            group.last_fence[slot] = fence
+            group.last_fence[slot] = outcome.fence
             step = int(group.step_index[slot])
             final = step == request.total_steps
             if final:
@@ -220,14 +268,6 @@ class Scheduler:
                 request.status = RequestStatus.FINISHING
             advanced.append((slot, step, request, final))
         return advanced
-
-    def out_of_memory(self, rows: int) -> int:
-        """The device could not run `rows` rows: halve the rows per call (and, through
-        admission, the slots a group may fill). Returns the new limit."""
-        self.row_limit = max(1, rows // 2)
-        self._batches_at_limit = 0
-        self.counters["oom_splits"] += 1
-        return self.row_limit
 
     def _recover_row_limit(self) -> None:
         self._batches_at_limit = 0
@@ -238,10 +278,16 @@ class Scheduler:
     # ---- requests out ----------------------------------------------------------------
 
     def release_slot(self, request: Request) -> None:
-        """The fence of the slot's last launch is done: the slot is free (epoch + 1)."""
+        """The fence of the slot's last launch is done: the slot is free (epoch + 1), its
+        adapter references dropped, and the runner's storage told in the next plan."""
         group, slot = request.group, request.slot
         group.release(slot)
         self.ledger.give_back_trajectory(request.reservation)
+        if request.adapters and self.adapters is not None:
+            self.adapters.release(request.adapters)
+            request.adapters = ()
+        if self.groups.get(group.key) is group:
+            self._released.append((group.key, slot))
         log.debug("slot %d released (epoch now %d) by %s", slot, group.epoch[slot], request.request_id)
 
     def denoised(self, request: Request) -> None:
@@ -249,8 +295,9 @@ class Scheduler:
         request.status = RequestStatus.DECODING
         self.counters["completed"] += 1
 
-    def end(self, request: Request) -> None:
-        """End a request that never reaches the decode stage (canceled or failed)."""
+    def end(self, request: Request):
+        """End a request that never reaches the decode stage (canceled or failed); returns
+        its output message."""
         if request.status is not RequestStatus.QUEUED:  # a queued request holds no reservation yet
             self.ledger.give_back_trajectory(request.reservation)
             self.ledger.give_back_decode(request.reservation)
@@ -258,9 +305,8 @@ class Scheduler:
         request.status = RequestStatus.DONE
         self.requests.pop(request.request_id, None)
         if request.ending is Ending.FAILED:
-            self.outputs.append(RequestFailed(request.request_id, request.failure))
-        else:
-            self.outputs.append(RequestCanceled(request.request_id, timings))
+            return RequestFailed(request.request_id, request.failure)
+        return RequestCanceled(request.request_id, timings)
 
     def decode_done(self, request_id: str) -> bool:
         request = self.requests.get(request_id)

@@ -15,8 +15,8 @@ messages still waiting for the busy loop gets its further Submits and Stats answ
 here with `Rejected(retry_after_s)`, never queued; Cancel and Delivered, which release
 resources, still pass, up to 16 times that bound, past which the client is written off.
 
-Image inputs: a Submit's body may be followed by one frame per name in `Submit.inputs`
-("image", "mask"); they are received zero-copy (only the identity and the body are
+Byte inputs: a Submit's body may be followed by one frame per path in `Submit.inputs`
+(`engine.protocol.frame_paths`: "image", "mask"); they are received zero-copy (only the identity and the body are
 copied), checked here against `Welcome.max_input_bytes` and the names, and attached to
 the params as memoryviews over the received frames before the busy loop sees the
 request. Anything wrong is a `Rejected` naming the field, sent from this thread.
@@ -38,8 +38,9 @@ import msgspec
 import zmq
 
 from engine.protocol import (
-    INPUT_FIELDS, PROTOCOL_VERSION, Cancel, Delivered, EngineDead, Goodbye, Health, HealthReply, Heartbeat, Hello,
-    Progress, ProgressBatch, Rejected, Stats, Submit, Welcome, client_decoder, describe_decode_error, encoder,
+    PROTOCOL_VERSION, Cancel, Delivered, EngineDead, Goodbye, Health, HealthReply, Heartbeat, Hello,
+    Progress, ProgressBatch, Rejected, Stats, Submit, Welcome, attach_frames, client_decoder, describe_decode_error,
+    encoder, path_problem,
 )
 from engine.serve import transport
 from engine.serve.frames import peek_request_id
@@ -289,19 +290,19 @@ class IOThread(threading.Thread):
         names, limit = msg.inputs, self.welcome.max_input_bytes
         problem = None
         for position, name in enumerate(names):
-            if name not in INPUT_FIELDS:
-                problem = (f"unknown image input {name!r} in Submit.inputs; known: {', '.join(INPUT_FIELDS)}",
-                           "inputs")
-            elif name in names[:position]:
-                problem = f"image input {name!r} named twice in Submit.inputs", "inputs"
-            elif getattr(msg.params, name) is not None:
-                problem = "given both in the message and as a frame (Submit.inputs)", name
-            elif position >= len(extra):
-                problem = (f"Submit.inputs names {len(names)} frame(s) ({', '.join(names)}) but {len(extra)} "
-                           f"followed the message: no frame for {name!r}", name)
-            elif len(extra[position]) > limit:
-                problem = (f"{len(extra[position])} bytes, more than the engine takes ({limit} bytes per image "
-                           f"input, Welcome.max_input_bytes)", name)
+            if not isinstance(name, str) or name in names[:position]:
+                problem = f"input {name!r} named twice in Submit.inputs", "inputs"
+            else:
+                why = path_problem(msg.params, name)
+                field = name.split(".")[0]
+                if why is not None:
+                    problem = why, field if why.startswith("given both") else "inputs"
+                elif position >= len(extra):
+                    problem = (f"Submit.inputs names {len(names)} frame(s) ({', '.join(names)}) but {len(extra)} "
+                               f"followed the message: no frame for {name!r}", field)
+                elif len(extra[position]) > limit:
+                    problem = (f"{len(extra[position])} bytes, more than the engine takes ({limit} bytes per input "
+                               f"frame, Welcome.max_input_bytes)", field)
             if problem is not None:
                 break
         if problem is None and len(extra) > len(names):
@@ -315,7 +316,7 @@ class IOThread(threading.Thread):
             else:
                 self._send_now(identity, Rejected(msg.request_id, "send Hello before anything else", "version"))
             return None
-        params = msgspec.structs.replace(msg.params, **{name: frame.buffer for name, frame in zip(names, extra)})
+        params = attach_frames(msg.params, names, [frame.buffer for frame in extra])
         return msgspec.structs.replace(msg, params=params, inputs=())
 
     def _forward(self, identity: bytes, msg: Submit | Cancel | Delivered | Stats, arrival: float) -> None:

@@ -41,7 +41,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected
+from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected, frame_field_descriptions
 from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
 from frontend.http.callers import (
@@ -349,9 +349,8 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
     edit_doc = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
         "allOf": [schema_ref(ImageEditRequest), {
             "type": "object", "required": ["image", "prompt"],
-            "properties": {"image": {"type": "string", "format": "binary", "description": "PNG, JPEG or WebP"},
-                           "mask": {"type": "string", "format": "binary",
-                                    "description": "The image's size; white = repaint"}}}]}}}}}
+            "properties": {name: {"type": "string", "format": "binary", "description": description}
+                           for name, description in frame_field_descriptions().items()}}]}}}}}
 
     @app.post("/v1/images/generations", openapi_extra=body_doc,
               responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})

@@ -32,12 +32,14 @@ from typing import Callable, Iterable
 
 from starlette.requests import ClientDisconnect, Request
 
+from engine.protocol import FRAME_FIELDS, MAX_INPUT_BYTES
 from frontend.http.errors import APIError, bad_request
 
 API_KEYS_ENV = "DIFFSLOT_API_KEYS"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # JSON bodies: a prompt is at most the engine's 64 KiB message anyway
 EDITS_PATH = "/v1/images/edits"
-DEFAULT_MAX_UPLOAD_BYTES = 33 << 20  # the edits form: an image and a mask of the engine's 16 MiB each, and text
+# the edits form: every frame field at the engine's default size limit, and 1 MiB of text
+DEFAULT_MAX_UPLOAD_BYTES = len(FRAME_FIELDS) * MAX_INPUT_BYTES + (1 << 20)
 CALLER_SCOPE_KEY = "diffslot.caller"  # where CallerGate leaves the caller id in the ASGI scope
 PROTECTED_PREFIX = "/v1"
 RATE_BUCKETS = 10_000  # caller buckets remembered; full ones (equal to a fresh bucket) are forgotten first

@@ -31,11 +31,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.protocol import SAMPLERS, GenerateParams, Timings, output_nbytes
+from engine.protocol import FRAME_FIELDS, MAX_PARTIAL_IMAGES, SAMPLERS, GenerateParams, Timings, output_nbytes
 from frontend.http.errors import APIError, bad_request
 
 MAX_N = 10  # OpenAI's own limit on `n`
-MAX_PARTIAL_IMAGES = 3
+
 SEED_LIMIT = 2**63  # the engine's seeds are in [0, 2**63)
 INT64 = 2**63  # integers travel to the engine as msgpack int64: larger ones cannot be sent at all
 SIZE_PATTERN = r"^\s*\d{1,5}\s*[xX×]\s*\d{1,5}\s*$|^auto$"
@@ -237,7 +237,6 @@ def _header_size(data: bytes | None) -> tuple[int, int] | None:
 
 _MULTIPART = re.compile(r"^\s*multipart/form-data\s*(;|$)", re.IGNORECASE)
 _INDEXED = re.compile(r"^(\w+)\[(\w*)\]$")  # the openai package's `loras[A]` and `original_size[]`
-FILE_FIELDS = ("image", "mask")
 _edit_fields = set(ImageEditRequest.__struct_fields__)
 
 
@@ -277,7 +276,7 @@ def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str
         content = section[head_end + 4:]
         indexed = _INDEXED.match(name)
         base = indexed.group(1) if indexed else name
-        if base in FILE_FIELDS:
+        if base in FRAME_FIELDS:
             if base in files:
                 raise bad_request(f"One '{base}' only: this server edits one image per request.", base,
                                   "unsupported_value")
@@ -325,17 +324,16 @@ def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], m
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:
         raise decode_error(exc) from None
-    image, mask = files.get("image"), files.get("mask")
-    if image is None:
+    if files.get("image") is None:
         raise bad_request("Missing required parameter: 'image' (the image to edit, as a file).", "image",
                           "missing_required_parameter")
-    for name, data in (("image", image), ("mask", mask)):
-        if data is not None and not data:
+    for name, data in files.items():
+        if not data:
             raise bad_request(f"Invalid value for '{name}': the file is empty.", name)
-        if data is not None and max_input_bytes and len(data) > max_input_bytes:
+        if max_input_bytes and len(data) > max_input_bytes:
             raise bad_request(f"Invalid value for '{name}': {len(data)} bytes, more than the engine takes "
-                              f"({max_input_bytes} bytes per image).", name)
-    return _generation(req, served_models, image=image, mask=mask, strength=req.strength)
+                              f"({max_input_bytes} bytes per file).", name)
+    return _generation(req, served_models, strength=req.strength, **files)
 
 
 def image_bytes(params: GenerateParams, native_size: int, default_hw: tuple[int, int] | None = None) -> int:

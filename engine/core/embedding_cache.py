@@ -1,5 +1,5 @@
-"""The encode phase's cache (R14): prompt embeddings keyed by (model revision, prompt,
-encoder settings), bounded by entries and by bytes (R22), least recently used first out.
+"""The preparation phase's cache: prompt embeddings keyed by (model revision, prompt,
+encoder settings), bounded by entries and by bytes, least recently used first out.
 
 An entry evicted while slots still hold it stays alive through their references and is
 freed with the last of them (after its fence); the cache only stops handing it out.

@@ -1,6 +1,6 @@
-"""The runner's state: slot groups with their device storage, one step's batch (the row
-map and the gathered model inputs), and the records of launches and copies in flight.
-Plain data; the runner and the reaper act on it."""
+"""The runner's state: each group's slot storage, one step's batch (the row map and the
+gathered model inputs), and the records of launches and copies in flight. The runner
+and the reaper act on it; the scheduler never sees it."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,6 @@ import math
 import numpy as np
 import torch
 
-from engine.core.slot_map import SlotMap
 from engine.core.solvers import NUM_COEFS
 from engine.models.inputs import ModelInputs
 
@@ -24,13 +23,14 @@ def upload(destination: torch.Tensor, source: torch.Tensor) -> None:
     destination.copy_(source, non_blocking=True)
 
 
-class Group(SlotMap):
-    """Slot storage for one group key: latents, history, per-slot solver tables, the
-    slots' prompt-row references and request inputs. Written only by `place` / `release`."""
+class SlotStorage:
+    """The runner's storage behind one group's slots: latents, history, per-slot solver
+    tables, the slots' prompt-row references, request-input rows and each input kind's
+    slot state. Written only by `place`, `release` and `unpark`, and by the runner's step."""
 
     def __init__(self, key: tuple, latent_shape: tuple[int, int, int], slots: int, max_steps: int,
                  device: torch.device):
-        super().__init__(key, latent_shape, slots)
+        self.key, self.latent_shape, self.slots, self.max_steps = key, latent_shape, slots, max_steps
         self.device = device
         self.numel = math.prod(latent_shape)
         self.latents = torch.zeros(slots, self.numel, device=device, dtype=torch.float32)
@@ -45,29 +45,23 @@ class Group(SlotMap):
         self.coef_table = np.zeros((slots, max_steps, NUM_COEFS), dtype=np.float32)
         self.timestep_table = np.zeros((slots, max_steps), dtype=np.float32)
         self.divisor_table = np.ones((slots, max_steps), dtype=np.float32)
-        self.staging = None  # the step's page-locked upload buffers (CUDA), made on first use
-        # inpainting (4-channel denoisers): the slot keeps the image's latents, its initial
-        # noise and the mask (1 = repaint, broadcast over the channels), and per step the
-        # add_noise coefficients of the timestep it reaches next. Made on the group's first
-        # masked request; a slot's rows are its own from `attach_image` to its release
-        self.masked = np.zeros(slots, dtype=bool)
         # the slot's request is one whose pipeline keeps channels-last latents (SD/SDXL img2img)
         self.channels_last = np.zeros(slots, dtype=bool)
-        self.image_latents = self.image_noise = self.mask = None
-        self.noising_table: np.ndarray | None = None
-        self.max_steps = max_steps
+        self.kind_states: dict[str, object] = {}  # input kind name → its slot state, made on first use
+        self.staging = None  # the step's page-locked upload buffers (CUDA), made on first use
 
     @property
     def nbytes(self) -> int:
-        """Device and host bytes the group holds whatever its slots hold."""
+        """Device and host bytes the storage holds whatever its slots hold."""
         tables = self.coef_table.nbytes + self.timestep_table.nbytes + self.divisor_table.nbytes
         inputs = sum(t.numel() * t.element_size() for t in self.request_inputs.values())
-        if self.mask is not None:
-            tables += 3 * self.latents.numel() * 4 + self.noising_table.nbytes
-        return 2 * self.latents.numel() * 4 + tables + inputs
+        states = sum(state.nbytes for state in self.kind_states.values())
+        return 2 * self.latents.numel() * 4 + tables + inputs + states
 
-    def place(self, request, slot: int) -> None:
-        super().place(request, slot)
+    def place(self, slot: int, request) -> None:
+        """Everything a newly admitted request's slot starts with, from the request's
+        prepared data: its schedule, first latents, prompt rows, request-input rows and
+        each input kind's state."""
         schedule = request.trajectory.schedule
         n = schedule.steps
         self.two_rows[slot] = request.cfg_scale is not None
@@ -76,47 +70,75 @@ class Group(SlotMap):
         self.coef_table[slot, :n] = schedule.coefs
         self.timestep_table[slot, :n] = schedule.timesteps
         self.divisor_table[slot, :n] = schedule.input_divisor
-        self.masked[slot] = self.channels_last[slot] = False
-        if request.image_inputs is None:
-            upload(self.latents[slot], request.trajectory.initial_latents().reshape(-1))
-        # else: the image-encode phase starts the slot (`attach_image`), its draws after the VAE's
+        start = request.start
+        upload(self.latents[slot], (request.trajectory.initial_latents() if start is None else start.latents)
+               .reshape(-1))
+        self.channels_last[slot] = start is not None and start.channels_last
         self.history[slot].zero_()
-        for name, value in request.request_inputs.items():
+        self.conditioning[slot] = request.conditioning
+        self._write_rows(slot, request.request_inputs)
+        for name, value in request.slot_inputs.items():
+            state = self.kind_states.get(name)
+            if state is None:
+                state = self.kind_states[name] = value.slot_state(self)
+            state.place(slot, value)
+
+    def _write_rows(self, slot: int, rows: dict[str, torch.Tensor]) -> None:
+        for name, value in rows.items():
             table = self.request_inputs.get(name)
             if table is None:
                 table = self.request_inputs[name] = torch.zeros(
                     (2 * self.slots, *value.shape[1:]), dtype=value.dtype, device=self.device)
             upload(table[2 * slot: 2 * slot + 2], value)
 
-    def attach_conditioning(self, slot: int, prompt, negative) -> None:
-        self.conditioning[slot] = (prompt, negative)
-
-    def attach_image(self, slot: int, start: torch.Tensor, known: tuple | None = None,
-                     channels_last: bool = False) -> None:
-        """An image request's first latents (its image's latents noised to its first
-        timestep); for inpainting `known` = (image latents, noise, mask at latent
-        resolution 1 × h × w, per-step add_noise coefficients steps × 2)."""
-        upload(self.latents[slot], start.reshape(-1))
-        self.channels_last[slot] = channels_last
-        if known is None:
-            return
-        image_latents, noise, mask, noising = known
-        if self.mask is None:
-            self.image_latents = torch.zeros_like(self.latents)
-            self.image_noise = torch.zeros_like(self.latents)
-            self.mask = torch.zeros_like(self.latents)
-            self.noising_table = np.zeros((self.slots, self.max_steps, 2), dtype=np.float32)
-        shape = self.latent_shape
-        upload(self.image_latents[slot], image_latents.reshape(-1))
-        upload(self.image_noise[slot], noise.reshape(-1))
-        upload(self.mask[slot].view(shape), mask.reshape(1, *shape[1:]).expand(shape))
-        self.noising_table[slot, :len(noising)] = noising
-        self.masked[slot] = True
-
     def release(self, slot: int) -> None:
-        super().release(slot)
-        self.conditioning[slot] = None  # after the fence: no launch reads these rows any more
-        self.masked[slot] = self.channels_last[slot] = False  # its image rows are free for the next request
+        """After the fence of the slot's last launch: nothing reads its storage any more."""
+        self.conditioning[slot] = None
+        self.channels_last[slot] = False
+        for state in self.kind_states.values():
+            state.release(slot)
+
+    def park(self, slot: int) -> "ParkedSlot":
+        """The slot's whole state in host memory (call after the fence of its last launch):
+        what `unpark` needs to go on in any slot of storage with the same key."""
+        rows = {name: table[2 * slot: 2 * slot + 2].to("cpu", copy=True) for name, table in self.request_inputs.items()}
+        return ParkedSlot(
+            latents=self.latents[slot].to("cpu", copy=True), history=self.history[slot].to("cpu", copy=True),
+            tables=(self.two_rows[slot], self.stochastic[slot], self.generic[slot], self.coef_table[slot].copy(),
+                    self.timestep_table[slot].copy(), self.divisor_table[slot].copy(), self.channels_last[slot]),
+            conditioning=tuple(self.conditioning[slot]), rows=rows,
+            kinds={name: state.park(slot) for name, state in self.kind_states.items() if state.holds(slot)})
+
+    def unpark(self, slot: int, parked: "ParkedSlot") -> None:
+        upload(self.latents[slot], parked.latents)
+        upload(self.history[slot], parked.history)
+        (self.two_rows[slot], self.stochastic[slot], self.generic[slot], self.coef_table[slot],
+         self.timestep_table[slot], self.divisor_table[slot], self.channels_last[slot]) = parked.tables
+        self.conditioning[slot] = parked.conditioning
+        self._write_rows(slot, parked.rows)
+        for name, value in parked.kinds.items():
+            state = self.kind_states.get(name)
+            if state is None:
+                state = self.kind_states[name] = value.slot_state(self)
+            state.place(slot, value)
+
+
+@dataclasses.dataclass
+class ParkedSlot:
+    """A slot's state in host memory, from `SlotStorage.park` (bit for bit what it held)."""
+
+    latents: torch.Tensor
+    history: torch.Tensor
+    tables: tuple
+    conditioning: tuple
+    rows: dict[str, torch.Tensor]
+    kinds: dict[str, object]  # input kind name → the value its slot state places again
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.latents, self.history, *self.rows.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(
+            getattr(v, "nbytes", 0) for v in self.kinds.values())
 
 
 @dataclasses.dataclass
@@ -135,18 +157,13 @@ class Batch:
     noise: torch.Tensor
     useful_rows: int
     padded_rows: int
-    # inpainting: the slots whose known region is kept after this step, and their add_noise
-    # coefficients (entries × 2) at the timestep each reaches next
-    masked_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    masked_index: torch.Tensor | None = None  # the same slots, int32, on the device
-    masked_coefs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
 class Report:
     """What the reaper does for one slot when a launch's fence completes, tagged with (slot, epoch)."""
 
-    group: Group
+    group: object  # the scheduler's SlotMap (its epochs and owners)
     slot: int
     epoch: int
     request: object
@@ -170,7 +187,5 @@ class HostCopy:
     """Final latents on their way to page-locked host memory, complete with `fence`."""
 
     fence: object
-    group: Group
-    slot: int
     request: object
     host: torch.Tensor
