@@ -26,7 +26,7 @@ Handshake: a client sends `Hello(version)` first; the engine answers `Welcome` (
 `Rejected` naming `version`). Both sides send `Heartbeat` every
 `Welcome.heartbeat_interval_s`, so either notices the other's death without
 request timeouts. A client acknowledges each `Completed` with `Delivered`, which
-returns the output bytes to its budget (R8); so does a request that ends otherwise
+returns the output bytes to its budget; so does a request that ends otherwise
 after its partial images were sent, whose bytes the client held until then.
 
 `Health` is answered by the engine's IO thread, never by the busy loop, so a probe
@@ -49,12 +49,15 @@ MAX_REQUEST_ID_LEN = 128
 MAX_PROMPT_CHARS = 4096  # longer prompts are truncated by every text encoder anyway
 MAX_MESSAGE_BYTES = 64 * 1024  # a client message is a few hundred bytes; more is abuse
 # Names of the shared-memory segments an engine creates: SEGMENT_PREFIX + "<engine pid>-...",
-# so a restarted engine and the tests can tell whose segments are left (R10).
+# so a restarted engine and the tests can tell whose segments are left.
 SEGMENT_PREFIX = "diffslot-"
 
 MAX_INPUT_BYTES = 16 << 20  # each input frame (an image, a mask), by default (CoreConfig.max_input_bytes)
 
-MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (R16's `partial_images`, as OpenAI's)
+#: SDXL's micro-conditioning fields of `GenerateParams`, in `add_time_ids` order
+MICRO_CONDITIONING = ("original_size", "crops_coords_top_left", "target_size")
+
+MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (`partial_images`, as OpenAI's)
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 PartialImages = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)]
@@ -92,7 +95,7 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Per-request service record (R9). Seconds, and denoiser rows."""
+    """Per-request service record. Seconds, and denoiser rows."""
 
     queue_s: float = 0.0  # arrival → admitted into a slot
     denoise_s: float = 0.0  # admitted → last denoise step's fence done
@@ -141,7 +144,7 @@ class Cancel(Message, tag="cancel"):
 class Delivered(Message, tag="delivered"):
     """The client has received this request's output (its Completed, or the final
     message of a request whose partial images it was sent): those bytes leave the
-    client's output budget (R8). A client that stops reading stops sending these, and
+    client's output budget. A client that stops reading stops sending these, and
     the engine refuses to reuse the request id until it does."""
 
     request_id: RequestId
@@ -354,7 +357,7 @@ def describe_decode_error(body: bytes, error: Exception) -> tuple[str | None, st
 
 def output_nbytes(kind: str, height: int, width: int, latent_shape: tuple[int, ...]) -> int:
     """Upper bound of the output frame's size, reserved against a client's budget
-    before the request is admitted (R8)."""
+    before the request is admitted."""
     if kind == "latent":
         return 4 * math.prod(latent_shape)
     raw = height * width * 3

@@ -21,8 +21,8 @@ class CoreConfig:
     trajectory_budget_bytes: int | None = None  # default: `slots` requests at the native size
     output_budget_bytes: int | None = None  # default: `slots + decode_buffers` native outputs
     device: str = "cpu"
-    embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse (R14)
-    embedding_cache_bytes: int = 256 << 20  # and at most this many bytes of them (R22)
+    embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse
+    embedding_cache_bytes: int = 256 << 20  # and at most this many bytes of them
     # admission order: srpt (least remaining evaluations first, aged: see engine.core.scheduler;
     # measured in bench/RESULTS.md), or fifo
     policy: str = "srpt"

@@ -103,7 +103,7 @@ class EngineCore:
         total = request.total_steps
         request.preview_steps = tuple(sorted({max(1, round(total * (k + 1) / (partial_images + 1)))
                                               for k in range(partial_images)} - {total}))
-        if request.preview_steps:  # each preview is a PNG the client holds too (R8)
+        if request.preview_steps:  # each preview is a PNG the client holds too
             _, h, w = request.latent_shape
             scale = self.geometry.vae_scale
             preview = reservation_for(request.latent_shape, h * scale, w * scale, "png").output_bytes

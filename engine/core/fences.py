@@ -1,4 +1,4 @@
-"""Completion fences (R6): one per launch; the reaper acts on a slot only once it is done.
+"""Completion fences: one per launch; the reaper acts on a slot only once it is done.
 
 - `CudaFences(device)`: a CUDA event recorded on the current stream *of the tensors'
   device* (not the process's current device) after the launch.

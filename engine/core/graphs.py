@@ -70,7 +70,7 @@ class GraphedDenoiser:
     def __init__(self, model, capture, layout_version=None, max_graphs: int = 32):
         self.model, self.capturer = model, capture
         # key → (replay, output, input buffers), least recently replayed first; at most
-        # `max_graphs` (R22: every size a client asks for would otherwise keep its graph)
+        # `max_graphs` (every size a client asks for would otherwise keep its graph)
         self.graphs: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
         self.max_graphs = max_graphs
         self.evictions = 0

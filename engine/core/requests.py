@@ -5,7 +5,7 @@
        └─cancel─▶ DONE   └─cancel / fail─▶ (stays until the fence of its last launch) ─▶ DONE
 
 `status` is where the request is; `ending` says why it stops early (a cancel or a
-failure), set at once and acted on at the next safe point (R5, R15).
+failure), set at once and acted on at the next safe point.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class Request:
     cfg_scale: float | None  # classifier-free guidance: two rows a step (cond, uncond); None: one row
     arrival: float
     reservation: Any  # engine.core.ledger.Reservation
-    group_key: tuple = ()  # what must agree for requests to share a denoiser call (R2)
+    group_key: tuple = ()  # what must agree for requests to share a denoiser call
     trajectory: Any = None  # engine.core.solvers.Trajectory: schedule and random stream
     # each input kind's checked value (kind name → value), until its preparation at admission
     inputs: dict = dataclasses.field(default_factory=dict)
@@ -52,7 +52,7 @@ class Request:
     preview_steps: tuple[int, ...] = ()  # steps after which the x0 estimate is published
     status: RequestStatus = RequestStatus.QUEUED
     ending: Ending | None = None
-    failure: str | None = None  # why it failed (R15)
+    failure: str | None = None  # why it failed
     group: Any = None  # the scheduler's SlotMap it runs in
     slot: int = -1
     admitted_at: float = 0.0

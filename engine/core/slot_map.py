@@ -3,7 +3,7 @@ which slots get a row in the next batch. The scheduler decides with it alone; th
 runner's `Group` adds the device storage behind the same slots.
 
 `requests[slot]` is the owner (None: free); `epoch[slot]` increments on every release,
-so a report tagged (slot, epoch) from before a release is recognised as stale (R6).
+so a report tagged (slot, epoch) from before a release is recognised as stale.
 """
 from __future__ import annotations
 

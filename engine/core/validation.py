@@ -1,4 +1,4 @@
-"""Checking a request's parameters against the served model (R11): every bad field gets
+"""Checking a request's parameters against the served model: every bad field gets
 `RequestRejected` naming it. Shared by `EngineCore` and the benchmark's baseline cores, so
 every core behind the engine process rejects the same input the same way."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from engine.core.outputs import RequestRejected
-from engine.protocol import MAX_PROMPT_CHARS, OUTPUT_KINDS, SAMPLERS, GenerateParams
+from engine.protocol import MAX_PROMPT_CHARS, MICRO_CONDITIONING, OUTPUT_KINDS, SAMPLERS, GenerateParams
 
 MAX_GUIDANCE = 100.0
 
@@ -34,10 +34,13 @@ def checked_size(model, geometry, p: GenerateParams, max_steps: int,
         value = getattr(p, field)
         if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0.0 <= value <= MAX_GUIDANCE:
             raise RequestRejected(f"must be a finite number in [0, {MAX_GUIDANCE:g}]", field)
-    for field in ("original_size", "crops_coords_top_left", "target_size"):
+    for field in MICRO_CONDITIONING:
         value = getattr(p, field)
-        if value is not None and not (len(value) == 2 and all(type(v) is int and 0 <= v <= 65536 for v in value)):
-            raise RequestRejected("must be two integers in [0, 65536]", field)
+        lowest = 0 if field == "crops_coords_top_left" else 1  # a size is at least one pixel
+        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2
+                                      and all(type(v) is int and lowest <= v <= 65536 for v in value)):
+            raise RequestRejected(f"must be two integers in [{lowest}, 65536], (height, width) or (top, left) in "
+                                  "pixels", field)
     if type(p.seed) is not int or not 0 <= p.seed < 2**63:
         raise RequestRejected("must be an integer in [0, 2**63)", "seed")
     if p.output not in OUTPUT_KINDS:

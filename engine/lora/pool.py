@@ -16,7 +16,7 @@ device up to a byte budget, each in one pool slot that every wrapped layer index
 * Residency: `acquire(names)` makes the adapters resident (loading what is not), evicting
   least-recently-used adapters that nothing references, and adds one reference each; it
   returns None, evicting nothing, when they cannot all be resident now (the rest is
-  referenced). `release(slots)` drops the references (after the slot's fence, R5).
+  referenced). `release(slots)` drops the references (after the slot's fence).
 * Text-encoder LoRA: the text encoders' layers are wrapped too and read their rows from
   `text_rows`; `encode(prompts, loras)` runs the model's own `encode` with each prompt's
   adapters bound, and `text_encoder_key(loras)` is what the embedding cache key must add.
@@ -139,7 +139,7 @@ class AdapterPool:
 
     def install(self) -> "AdapterPool":
         """Wrap the denoiser's (and text encoders') Linear and Conv2d layers once, and point
-        `model.adapter_rows` at the pool's rows (what `DiffusionModel.run` binds)."""
+        the model's adapter rows at the pool's (`bind_adapter_rows`: what `DiffusionModel.run` binds)."""
         with self._lock:
             if not self.installed:
                 for name, module in self.components.items():
@@ -149,7 +149,7 @@ class AdapterPool:
                     rows = self.rows if name == self.denoiser_name else self.text_rows
                     self._layers[name] = wrap_layers(module, self.max_resident, rows)
                 self.installed = True
-            self.model.adapter_rows = self.rows
+            self.model.bind_adapter_rows(self.rows)
         return self
 
     def uninstall(self) -> None:
@@ -164,7 +164,7 @@ class AdapterPool:
             self._layers.clear()
             self.installed = False
             if getattr(self.model, "adapter_rows", None) is self.rows:
-                self.model.adapter_rows = None
+                self.model.bind_adapter_rows(None)
 
     # ---- the folder ---------------------------------------------------------------------------
 

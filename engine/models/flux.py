@@ -24,7 +24,6 @@ Per request and per row:
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
@@ -36,7 +35,6 @@ from engine.models.loading import Conditioning, _PipelineModel
 #: Samplers FLUX runs: its own scheduler, and the kernel's flow-matching Euler (the same
 #: update). The others do not take the pipeline's `sigmas` (DPM-Solver++) or predict noise.
 FLUX_SAMPLERS = ("default", "flow_euler")
-MAX_TRUE_CFG = 100.0  # as the engine's bound on `guidance`
 
 
 class FluxModel(_PipelineModel):
@@ -62,16 +60,12 @@ class FluxModel(_PipelineModel):
     def encoder_settings(self) -> tuple:
         return ("max_sequence_length", self.max_sequence_length)
 
+    takes_true_cfg = True
+
     def check_params(self, params) -> tuple[str, str] | None:
-        for field in ("original_size", "crops_coords_top_left", "target_size"):
-            if getattr(params, field) is not None:
-                return field, "FluxPipeline takes no micro-conditioning (SDXL only)"
-        if (not isinstance(params.true_cfg, (int, float)) or not math.isfinite(params.true_cfg)
-                or not 0.0 <= params.true_cfg <= MAX_TRUE_CFG):
-            return "true_cfg", f"must be a finite number in [0, {MAX_TRUE_CFG:g}]"
         if params.sampler not in FLUX_SAMPLERS:
             return "sampler", f"FluxPipeline runs {' or '.join(FLUX_SAMPLERS)}, not {params.sampler!r}"
-        return None
+        return super().check_params(params)
 
     def cfg_scale(self, params) -> float | None:
         """Two rows only for true CFG, as the pipeline's `do_true_cfg`: `true_cfg_scale`

@@ -33,6 +33,7 @@ import torch
 from engine.models import resolve
 from engine.models.geometry import Geometry, geometry_from_configs, pipeline_class_of
 from engine.models.inputs import ModelInputs
+from engine.protocol import MICRO_CONDITIONING
 
 
 def prediction_type_of(scheduler_config: dict) -> str:
@@ -121,7 +122,7 @@ class DiffusionModel:
 
     @functools.cached_property
     def geometry(self) -> Geometry:
-        """The one source for channels, scale, size multiple and native size (R19)."""
+        """The one source for channels, scale, size multiple and native size."""
         vae = None if self.vae is None else dict(self.vae.config)
         return geometry_from_configs(self.pipeline_class, vae, dict(self.denoiser.config), self.denoiser_is_unet)
 
@@ -147,13 +148,13 @@ class DiffusionModel:
     @functools.cached_property
     def conditioning_layout(self) -> tuple:
         """Shapes and dtype of one prompt's rows (sequence × width, pooled width), as the
-        encoder gives them: part of the group key (R14)."""
+        encoder gives them: part of the group key."""
         c = self.encode([""])[0]
         return (tuple(c.hidden.shape), None if c.pooled is None else tuple(c.pooled.shape), str(c.hidden.dtype))
 
     @functools.cached_property
     def conditioning_nbytes(self) -> int:
-        """Bytes of one prompt's rows, which admission counts (R14)."""
+        """Bytes of one prompt's rows, which admission counts."""
         return self.encode([""])[0].nbytes
 
     @property
@@ -165,13 +166,19 @@ class DiffusionModel:
         """Why the model cannot take this prompt, or None."""
         return None
 
+    #: what the pipeline takes besides every model's fields (their values are checked once,
+    #: in `engine.core.validation`, for every model)
+    takes_true_cfg = False
+    takes_micro_conditioning = False
+
     def check_params(self, params) -> tuple[str, str] | None:
-        """(field, why) for a field this model cannot use, or None (R11)."""
-        if params.true_cfg != 1.0:
+        """(field, why) for a field this model cannot use, or None."""
+        if params.true_cfg != 1.0 and not self.takes_true_cfg:
             return "true_cfg", f"{self.pipeline_class or 'this model'} has no true_cfg_scale (FLUX only)"
-        for field in ("original_size", "crops_coords_top_left", "target_size"):
-            if getattr(params, field) is not None:
-                return field, f"{self.pipeline_class or 'this model'} takes no micro-conditioning (SDXL only)"
+        if not self.takes_micro_conditioning:
+            for field in MICRO_CONDITIONING:
+                if getattr(params, field) is not None:
+                    return field, f"{self.pipeline_class or 'this model'} takes no micro-conditioning (SDXL only)"
         return None
 
     def cfg_scale(self, params) -> float | None:
@@ -203,6 +210,11 @@ class DiffusionModel:
     #: (`engine.lora`); None while no pool is attached
     adapter_rows = None
 
+    def bind_adapter_rows(self, rows) -> None:
+        """Where `run` binds each call's `lora_index` / `lora_scale` (an adapter pool's
+        `AdapterRows`), or None to stop."""
+        self.adapter_rows = rows
+
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """One batched denoiser call over `inputs.rows` rows (eager, or captured in a graph)."""
         if self.adapter_rows is not None:
@@ -218,7 +230,7 @@ class DiffusionModel:
         """`run` over latents, per-row timesteps, prompt rows and request inputs."""
         return self.run(model_inputs(x, t, rows, **request_inputs))
 
-    # ---- image inputs (R21): img2img and inpainting, as the model's image pipelines do them ----
+    # ---- image inputs: img2img and inpainting, as the model's image pipelines do them ----
 
     #: field → the diffusers pipeline whose image path this model follows: "image"
     #: (img2img) and "mask" (inpainting); a model without an entry rejects the field

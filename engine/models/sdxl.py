@@ -25,9 +25,6 @@ import torch
 from engine.models.inputs import ModelInputs
 from engine.models.loading import Conditioning, StableDiffusionModel
 
-#: The micro-conditioning fields of `GenerateParams`, in `add_time_ids` order.
-MICRO_CONDITIONING = ("original_size", "crops_coords_top_left", "target_size")
-
 
 class StableDiffusionXLModel(StableDiffusionModel):
     """SDXL: a `UNet2DConditionModel` with `text_time` added conditioning. Guidance and
@@ -35,23 +32,11 @@ class StableDiffusionXLModel(StableDiffusionModel):
 
     pipeline_class = "StableDiffusionXLPipeline"
     image_pipelines = {"image": "StableDiffusionXLImg2ImgPipeline", "mask": "StableDiffusionXLInpaintPipeline"}
+    takes_micro_conditioning = True
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:
         return bool(self.pipe.config.get("force_zeros_for_empty_prompt", False))
-
-    def check_params(self, params) -> tuple[str, str] | None:
-        if params.true_cfg != 1.0:
-            return "true_cfg", "StableDiffusionXLPipeline has no true_cfg_scale (FLUX only)"
-        for field in MICRO_CONDITIONING:
-            value = getattr(params, field)
-            if value is None:
-                continue
-            lowest = 0 if field == "crops_coords_top_left" else 1
-            if (not isinstance(value, (tuple, list)) or len(value) != 2
-                    or not all(type(v) is int and lowest <= v <= 2**16 for v in value)):
-                return field, f"must be two integers in [{lowest}, 65536], (height, width) or (top, left) in pixels"
-        return None
 
     def negative_text(self, params) -> str | None:
         """None (zero rows) when no negative prompt is given and the folder says

@@ -213,7 +213,7 @@ class IOThread(threading.Thread):
             arrival = time.monotonic()
             try:
                 self._handle_frames(frames, arrival)
-            except Exception:  # one odd frame must not take the socket down (R11)
+            except Exception:  # one odd frame must not take the socket down
                 log.exception("failed to handle a client frame")
                 self._send_now(frames[0], Rejected("", "internal error on this message (the engine's log has "
                                                        "the details)"))

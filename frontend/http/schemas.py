@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.protocol import FRAME_FIELDS, MAX_PARTIAL_IMAGES, SAMPLERS, GenerateParams, Timings, output_nbytes
+from engine.protocol import FRAME_FIELDS, MAX_PARTIAL_IMAGES, MICRO_CONDITIONING, SAMPLERS, GenerateParams, Timings, output_nbytes
 from frontend.http.errors import APIError, bad_request
 
 MAX_N = 10  # OpenAI's own limit on `n`
@@ -101,8 +101,8 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fiel
 
 
 #: the extras that are not plain values: JSON text in a form, or the `openai` package's `x[...]` fields
-STRUCTURED_FIELDS = ("loras", "original_size", "crops_coords_top_left", "target_size")
-EXTRA_FIELDS = ("loras", "true_cfg", "original_size", "crops_coords_top_left", "target_size")
+STRUCTURED_FIELDS = ("loras", *MICRO_CONDITIONING)
+EXTRA_FIELDS = ("loras", "true_cfg", *MICRO_CONDITIONING)
 
 
 class Generation(msgspec.Struct, frozen=True):

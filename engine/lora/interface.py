@@ -1,0 +1,36 @@
+"""The adapter pool as the core names it (torch-free): what intake, admission, the
+preparation phase, the embedding cache and the graphs ask of it. `AdapterPool`
+(`engine.lora.pool`) implements it; `tests/test_model_contract.py` checks that."""
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class AdapterResidency(Protocol):
+    #: bumped whenever a wrapped layer's adapter layout changes (what a captured graph depends on)
+    layout_version: int
+
+    def names(self) -> list[str]:
+        """The adapters served now."""
+
+    def check(self, loras: Mapping[str, float]) -> str | None:
+        """Why these adapters and scales cannot be served, or None (intake)."""
+
+    def acquire(self, names: Sequence[str]) -> list[int] | None:
+        """Make them resident and reference each once: their pool slots; None when they
+        cannot all be resident now (admission waits). Raises when one cannot be loaded."""
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Drop one reference per slot (after the fence of the slot's last launch)."""
+
+    def row_inputs(self, slots: Sequence[int], scales: Sequence[float], rows: int = 2) -> dict:
+        """A request's `lora_index` / `lora_scale` rows (preparation)."""
+
+    def text_encoder_key(self, loras: Mapping[str, float] | None) -> tuple:
+        """What an embedding's cache key must add for these adapters."""
+
+    def encode(self, prompts: Sequence[str], loras: Sequence[Mapping[str, float] | None]) -> list:
+        """Prompt rows made with each prompt's text-encoder adapters."""
+
+    def stats(self) -> dict: ...
