@@ -1,7 +1,7 @@
 """Mixed sizes on SDXL and FLUX: how a step-level engine batches a backend's traffic of
 many sizes, samplers and per-request inputs, on tiny random-weight folders.
 
-    python bench/mixed_models.py [--requests 48] [--slots 8] [--threads 2] [--quick]
+    python bench/mixed_models.py [--requests 48] [--slots 8] [--threads 2] [--policy fifo|srpt] [--quick]
 
 For a tiny SDXL folder and a tiny FLUX-dev folder (`engine.testing.tiny_pipelines`), one
 trace each, all queued at once: three sizes, step counts 4/10/20, samplers mixed (SDXL:
@@ -46,9 +46,18 @@ def trace(kind: str, n: int, sizes: list[int]) -> list[tuple[str, GenerateParams
     return out
 
 
-def run(model, jobs, slots: int) -> dict:
+def distinct_rows(value: torch.Tensor) -> int:
+    """How many different values the rows of one call's per-row input hold (a row of SDXL
+    time ids is six numbers). Compared by value: rows taken one by one as tensors are new
+    objects each time, so a set of them would count every row as different."""
+    return len({tuple(row) for row in value.reshape(len(value), -1).tolist()})
+
+
+def run(model, jobs, slots: int, policy: str | None = None) -> dict:
+    policy_field = {} if policy is None else {"policy": policy}  # None: the engine's default
     core = EngineCore(model, CoreConfig(slots=slots, max_queue=len(jobs) + 1, decode_buffers=2 * slots,
-                                        trajectory_budget_bytes=1 << 30, output_budget_bytes=1 << 30))
+                                        trajectory_budget_bytes=1 << 30, output_budget_bytes=1 << 30,
+                                        **policy_field))
     calls = {"n": 0, "rows": 0, "mixed_inputs": 0, "mixed_steps": 0}
     inner = model.run
 
@@ -57,7 +66,7 @@ def run(model, jobs, slots: int) -> dict:
         calls["rows"] += inputs.rows
         for field in ("time_ids", "guidance"):
             value = getattr(inputs, field)
-            if value is not None and len({tuple(v) if v.dim() else float(v) for v in value.cpu()}) > 1:
+            if value is not None and distinct_rows(value) > 1:
                 calls["mixed_inputs"] += 1
                 break
         if len(set(inputs.timestep.tolist())) > 1:
@@ -96,6 +105,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--policy", choices=("fifo", "srpt"), default=None,
+                        help="admission order (default: the engine's)")
     parser.add_argument("--quick", action="store_true", help="12 requests a model")
     args = parser.parse_args()
     if args.quick:
@@ -104,11 +115,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"sdxl": (build_sdxl(pathlib.Path(tmp) / "sdxl"), [16, 24, 32]),
                    "flux": (build_flux(pathlib.Path(tmp) / "flux", guidance_embeds=True), [32, 48, 64])}
-        print(f"{args.requests} requests a model, {args.slots} slots, {args.threads} torch threads")
+        print(f"{args.requests} requests a model, {args.slots} slots, {args.threads} torch threads, "
+              f"policy {args.policy or 'the engine default'}")
         print(f"{'model':<6} {'done':>5} {'canc':>5} {'calls':>6} {'groups':>7} {'useful rows/call':>17} "
               f"{'calls mixing inputs':>20} {'calls mixing steps':>19} {'wall s':>7}")
         for kind, (folder, sizes) in folders.items():
-            r = run(load_model(folder), trace(kind, args.requests, sizes), args.slots)
+            r = run(load_model(folder), trace(kind, args.requests, sizes), args.slots, args.policy)
             print(f"{kind:<6} {r['done']:>5} {r['canceled']:>5} {r['calls']:>6} {r['groups']:>7} "
                   f"{r['useful_rows_per_call']:>17.1f} {r['mixed_inputs']:>20} {r['mixed_steps']:>19} {r['wall']:>7.1f}")
 
