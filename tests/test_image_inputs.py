@@ -486,3 +486,38 @@ def test_blend_pass_cost_on_cpu():
     per_call = (time.perf_counter() - started) / 20
     print(f"blend pass, torch on CPU, 16 slots × {numel}: {per_call * 1e3:.2f} ms")
     assert per_call < 0.5
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_ancestral"])
+def test_a_parked_slot_comes_back_bit_for_bit(folders, sampler):
+    """A slot's whole storage (latents, multistep history, solver tables, prompt rows,
+    request-input rows, the inpainting known region) parked to host memory after its
+    fence, the slot then poisoned, and brought back: the request ends exactly as it would
+    have uninterrupted."""
+    model = model_of(folders["sd"])
+    params = image_request(random.Random("park"), "sd", sampler, True, strength=0.9, steps=8, guidance=3.5,
+                           negative_prompt="blurry")
+
+    def run(park_at: int | None):
+        core = EngineCore(model, CoreConfig(slots=2))
+        core.add_request("r", params)
+        while core.has_unfinished_requests():
+            if park_at is not None and "r" in core.requests and core.requests["r"].step == park_at:
+                request = core.requests["r"]
+                storage = core.storage[request.group_key]
+                parked = storage.park(request.slot)
+                assert parked.kinds and parked.nbytes > 0  # the known region went too
+                storage.latents[request.slot] = float("nan")
+                storage.history[request.slot] = float("nan")
+                storage.coef_table[request.slot] = float("nan")
+                storage.kind_states["image"].image_latents[request.slot] = float("nan")
+                storage.release(request.slot)
+                storage.unpark(request.slot, parked)
+                park_at = None
+            for out in core.step():
+                if isinstance(out, DenoiseFinished):
+                    core.decode_done("r")
+                    return out.latents
+        raise AssertionError("no result")
+
+    assert torch.equal(run(park_at=3), run(park_at=None))
