@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start an engine, run a mixed batch, write a PNG grid")
     add_engine_arguments(demo)
     demo.add_argument("--out", default="out/demo_grid.png", help="where to write the grid")
-    sub.add_parser("queue-instrument", help="the fluid queue model (R12)", add_help=False)
+    sub.add_parser("queue-instrument", help="the fluid queue model", add_help=False)
     return ap
 
 

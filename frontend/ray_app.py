@@ -1,4 +1,4 @@
-"""The images API over Ray Serve replicas, each owning one engine process (R17).
+"""The images API over Ray Serve replicas, each owning one engine process.
 
     python -m frontend.ray_app --replicas 4 --model shapes --slots 16 --port 8000
     python -m frontend.ray_app --replicas 8 --address auto          # join a running Ray cluster

@@ -4,7 +4,7 @@ outputs (PNG / uint8 / latent) out.
 The engine's busy loop only talks to `DecodeStage`. `InProcessDecodeStage` decodes on
 one thread of the engine process (torch releases the GIL while it computes, so the
 busy loop keeps stepping); `MultiProcessDecodeStage` decodes in worker processes fed
-through a shared-memory arena (R7). Both satisfy the Protocol (tests check it).
+through a shared-memory arena. Both satisfy the Protocol (tests check it).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The queue instrument's command line (requirement R12).
+"""The queue instrument's command line.
 
 Usage (``python -m engine queue-instrument``; ``python -m engine.instrument``
 runs the same thing)::

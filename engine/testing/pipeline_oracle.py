@@ -109,7 +109,7 @@ def pipeline_output(folder, sampler: str, prompt: str, steps: int, guidance: flo
     else:
         size = dict(height=height, width=width)
     original = pipe.scheduler
-    if sampler != "default":  # as the contract writes it: Cls.from_config(pipe.scheduler.config, ...)
+    if sampler != "default":  # the sampler's class from the pipeline's own config, as diffusers swaps schedulers
         config = dict(original.config, _class_name=type(original).__name__)
         pipe.scheduler = make_scheduler(sampler, config)
     else:

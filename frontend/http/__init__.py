@@ -1,4 +1,4 @@
-"""The OpenAI-compatible images API (R16): `python -m frontend http --engine ADDR`.
+"""The OpenAI-compatible images API: `python -m frontend http --engine ADDR`.
 
 `app.py` the routes, `schemas.py` the bodies, `errors.py` OpenAI's error shapes,
 `link.py` the engine connections (one per caller), `callers.py` API keys, rate

@@ -1,4 +1,4 @@
-"""Who is calling the gateway, and how much each caller may ask (R22).
+"""Who is calling the gateway, and how much each caller may ask.
 
 * API keys (`--api-key`, repeatable, or DIFFSLOT_API_KEYS, comma-separated): every
   `/v1` route wants `Authorization: Bearer KEY`, else 401 in OpenAI's error shape.
