@@ -1,5 +1,5 @@
-"""The oracle for pipeline folders (DESIGN.md section 3): diffusers' own pipeline call,
-its scheduler swapped for the sampler.
+"""The oracle for pipeline folders (DESIGN.md, "Reference semantics"): diffusers' own
+pipeline call, its scheduler swapped for the sampler.
 
     pipe(prompt, negative_prompt=neg, num_inference_steps=steps, guidance_scale=g,
          height=h, width=w, generator=torch.Generator("cpu").manual_seed(seed),

@@ -13,7 +13,7 @@ and the budgets) and watches for a drain. Images are generated on the caller's o
 connection (`lease(caller)`): the engine fences its clients from each other — an
 output budget each (`Welcome.output_budget_bytes`), a fair share of the engine-wide
 backlog, `--max-queue-per-client` — so one connection per caller gives every caller
-those shares, where one shared connection made all HTTP callers compete for one
+those shares, where one shared connection would make all HTTP callers compete for one
 budget. At most `max_callers` caller connections are held; one without requests for
 `caller_idle_s` is closed (a returning caller reconnects in a few milliseconds), and
 when all are busy a new caller gets 429 until one frees.
