@@ -329,12 +329,6 @@ class Arena:
         except Exception:  # a dead context copies nothing any more
             log.warning("synchronising CUDA before unpinning the decode arena failed", exc_info=True)
 
-    def unpin(self) -> None:
-        if self._pinned is None:
-            return
-        self.wait_for_copies()  # never unregister memory a copy may still write
-        self._unregister()
-
     def _unregister(self) -> None:
         if self._pinned is None:
             return
