@@ -35,9 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from frontend.http.errors import APIError, bad_request
 
 API_KEYS_ENV = "DIFFSLOT_API_KEYS"
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # JSON bodies: a prompt is at most the engine's 64 KiB message anyway
 EDITS_PATH = "/v1/images/edits"
-DEFAULT_MAX_UPLOAD_BYTES = 33 << 20  # the edits form: an image and a mask of the engine's 16 MiB each, and text
 CALLER_SCOPE_KEY = "diffslot.caller"  # where CallerGate leaves the caller id in the ASGI scope
 PROTECTED_PREFIX = "/v1"
 RATE_BUCKETS = 10_000  # caller buckets remembered; full ones (equal to a fresh bucket) are forgotten first
@@ -190,6 +188,5 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["API_KEYS_ENV", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_UPLOAD_BYTES", "EDITS_PATH", "CallerGate",
-           "ClientDisconnect", "KeyRing", "RateLimiter",
-           "api_keys", "caller_of", "read_body"]
+__all__ = ["API_KEYS_ENV", "EDITS_PATH", "CallerGate", "ClientDisconnect", "KeyRing", "RateLimiter", "api_keys",
+           "caller_of", "read_body"]
