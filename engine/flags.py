@@ -4,13 +4,14 @@ default is written once, on its field.
 A dataclass field that is a flag carries `cli(...)` metadata: its flag names and help.
 `add_config_arguments` turns those fields into argparse options whose defaults are the
 fields' own, and `config_from_args` builds the class back from the parsed flags. A class
-whose module does not deal in command lines (the core's `CoreConfig`, the protocol's
+whose module does not deal in command lines (the core's `CoreConfig`; the protocol's
 `GenerateParams`, a msgspec Struct) gets its flags from a `specs` table instead,
 {field name: `flag(...)`}, kept beside the command line that offers them.
 
 Every command line of the project declares its flags this way: `python -m engine`,
 `python -m frontend` (and its `http` gateway), `python -m frontend.ray_app` and the
-queue instrument. Standard library only, so that any layer may use it.
+queue instrument. Standard library only (msgspec only when given a Struct), so that
+any layer may use it.
 """
 from __future__ import annotations
 
