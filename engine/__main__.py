@@ -1,21 +1,23 @@
 """`python -m engine {serve,health,demo,queue-instrument}` (also the `diffslot` console script).
 
-The flags of `serve` and `demo` are made from the configuration dataclasses' fields
-(`CoreConfig`, `DecodeConfig`, `ProcConfig`; engine.serve.options), so each default is
-the field's own; only the model's loading options and the address are written here.
+Every flag is a field of a configuration dataclass (engine.flags): `CoreConfig`,
+`DecodeConfig` and `ProcConfig` for the engine itself, and the dataclasses below for
+the model, the adapters and each command's own options; so each default is the field's
+own. `queue-instrument` parses its own flags (engine.instrument.cli).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from engine.core.config import ADMISSIONS, LAYOUTS, POLICIES, CoreConfig
 from engine.decode.stage import DecodeConfig
-from engine.serve.options import add_config_arguments, add_proc_arguments, config_from_args, flag, \
-    proc_config_from_args
+from engine.flags import add_config_arguments, cli, config_from_args, flag
+from engine.serve.options import add_proc_arguments, proc_config_from_args
 
-# CoreConfig lives with the core: its flags' names and help are given here
+# CoreConfig lives with the core, which knows nothing of command lines: its flags are named here
 CORE_FLAGS = {
     "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape (default: on a "
                                                 "CPU from the denoiser's rows/s curve, profiled at start; 16 on CUDA)"),
@@ -36,6 +38,79 @@ CORE_FLAGS = {
 }
 
 
+@dataclasses.dataclass
+class ModelOptions:
+    """Which model the engine serves, where, and in which dtype."""
+
+    model: str = dataclasses.field(default="shapes", metadata=cli(
+        "--model", help="'shapes' (embedded) or a diffusers model folder"))
+    device: str | None = dataclasses.field(default=None, metadata=cli(
+        "--device", choices=("cpu", "cuda"), help="default: cuda if present"))
+    dtype: str = dataclasses.field(default="float32", metadata=cli(
+        "--dtype", choices=("float32", "float16", "bfloat16"),
+        help="the weights' dtype (denoiser, encoders, in-process VAE; float16 or bfloat16 on a GPU); latents and "
+             "solver state stay float32"))
+
+
+@dataclasses.dataclass
+class AdapterOptions:
+    """The LoRA adapters the engine serves (engine.lora.AdapterPool)."""
+
+    lora_dir: str | None = dataclasses.field(default=None, metadata=cli(
+        "--lora-dir", metavar="DIR",
+        help="serve every diffusers-format LoRA in DIR (NAME.safetensors, or NAME/ holding "
+             "pytorch_lora_weights.safetensors) as adapter NAME; new files are found without a restart"))
+    max_loras_per_request: int = dataclasses.field(default=4, metadata=cli(
+        "--max-loras-per-request", metavar="N", help="adapters one request may name"))
+    lora_budget_bytes: int = dataclasses.field(default=256 << 20, metadata=cli(
+        "--lora-budget-bytes", metavar="N",
+        help="device bytes of resident adapters; least recently used unreferenced ones are evicted beyond it"))
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    """`serve`'s own flags, beside the engine's and the engine process's."""
+
+    address: str | None = dataclasses.field(default=None, metadata=cli(
+        "--address", help="ipc://PATH or tcp://HOST:PORT (default: ipc socket in the user's runtime dir)"))
+    log_level: str = dataclasses.field(default="INFO", metadata=cli("--log-level", help="the engine's log level"))
+    # tests only: engine.testing.faults (raise=PROMPT, nan=PROMPT, oom=ROWS)
+    inject_faults: str | None = dataclasses.field(default=None, metadata=cli(
+        "--inject-faults", metavar="SPEC", help=argparse.SUPPRESS))
+    core: str | None = dataclasses.field(default=None, metadata=cli(
+        "--core", metavar="MODULE:FACTORY",
+        help="serve another core behind the same process and IO path (benchmark baselines): FACTORY(model, "
+             "CoreConfig) returns an object with the CoreInterface calls"))
+
+
+@dataclasses.dataclass
+class HealthOptions:
+    """`health`'s flags: what a client needs to reach the engine, and how long to wait."""
+
+    address: str | None = dataclasses.field(default=None, metadata=cli(
+        "--address", help="default: $DIFFSLOT_ADDRESS or the one local engine"))
+    timeout_s: float = dataclasses.field(default=5.0, metadata=cli(
+        "--timeout", dest="timeout", help="seconds for the handshake and for the answer, each"))
+    ready: bool = dataclasses.field(default=False, metadata=cli(
+        "--ready", help="also fail (exit 1) while the engine drains"))
+    auth_token_file: str | None = dataclasses.field(default=None, metadata=cli(
+        "--auth-token-file", metavar="PATH", help="default: $DIFFSLOT_TOKEN"))
+    curve_server_key: str | None = dataclasses.field(default=None, metadata=cli(
+        "--curve-server-key", metavar="FILE",
+        help="the engine's public CURVE certificate (default: $DIFFSLOT_CURVE_SERVER_KEY)"))
+    curve_client_key: str | None = dataclasses.field(default=None, metadata=cli(
+        "--curve-client-key", metavar="FILE",
+        help="this client's secret CURVE certificate, where the engine admits only known keys "
+             "(default: $DIFFSLOT_CURVE_CLIENT_KEY)"))
+
+
+@dataclasses.dataclass
+class DemoOptions:
+    """`demo`'s own flag, beside the engine's."""
+
+    out: str = dataclasses.field(default="out/demo_grid.png", metadata=cli("--out", help="where to write the grid"))
+
+
 def default_device() -> str:
     import torch
 
@@ -44,23 +119,10 @@ def default_device() -> str:
 
 def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     """The engine's flags, shared by `serve` and `demo`."""
-    ap.add_argument("--model", default="shapes", help="'shapes' (embedded) or a diffusers model folder")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
-    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                    help="the weights' dtype (denoiser, encoders, in-process VAE); latents and solver state stay "
-                         "float32 (default %(default)s; float16 or bfloat16 on a GPU)")
+    add_config_arguments(ap, ModelOptions)
     add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS, defaults={"slots": None})
     add_config_arguments(ap.add_argument_group("decode"), DecodeConfig)
-    adapters = ap.add_argument_group("adapters")
-    adapters.add_argument("--lora-dir", default=None, metavar="DIR",
-                          help="serve every diffusers-format LoRA in DIR (NAME.safetensors, or NAME/ holding "
-                               "pytorch_lora_weights.safetensors) as adapter NAME; new files are found without a "
-                               "restart")
-    adapters.add_argument("--max-loras-per-request", type=int, default=4, metavar="N",
-                          help="adapters one request may name (default %(default)s)")
-    adapters.add_argument("--lora-budget-bytes", type=int, default=256 << 20, metavar="N",
-                          help="device bytes of resident adapters; least recently used unreferenced ones are "
-                               "evicted beyond it (default %(default)s)")
+    add_config_arguments(ap.add_argument_group("adapters"), AdapterOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,40 +130,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the engine process")
     add_engine_arguments(serve)
-    serve.add_argument("--address", default=None,
-                       help="ipc://PATH or tcp://HOST:PORT (default: ipc socket in the user's runtime dir)")
+    add_config_arguments(serve, ServeOptions)
     add_proc_arguments(serve)
-    serve.add_argument("--log-level", default="INFO")
-    serve.add_argument("--inject-faults", default=None, metavar="SPEC", help=argparse.SUPPRESS)  # tests only:
-    # engine.testing.faults — raise=PROMPT, nan=PROMPT, oom=ROWS
-    serve.add_argument("--core", default=None, metavar="MODULE:FACTORY",
-                       help="serve another core behind the same process and IO path (benchmark baselines): "
-                            "FACTORY(model, CoreConfig) returns an object with the CoreInterface calls")
     health = sub.add_parser("health", help="liveness/readiness probe, answered while a step runs")
-    health.add_argument("--address", default=None, help="default: $DIFFSLOT_ADDRESS or the one local engine")
-    health.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds for the handshake and for the answer, each (default %(default)s)")
-    health.add_argument("--ready", action="store_true", help="also fail (exit 1) while the engine drains")
-    health.add_argument("--auth-token-file", default=None, metavar="PATH", help="default: $DIFFSLOT_TOKEN")
-    health.add_argument("--curve-server-key", default=None, metavar="FILE",
-                        help="the engine's public CURVE certificate (default: $DIFFSLOT_CURVE_SERVER_KEY)")
-    health.add_argument("--curve-client-key", default=None, metavar="FILE",
-                        help="this client's secret CURVE certificate, where the engine admits only known keys "
-                             "(default: $DIFFSLOT_CURVE_CLIENT_KEY)")
+    add_config_arguments(health, HealthOptions)
     demo = sub.add_parser("demo", help="start an engine, run a mixed batch, write a PNG grid")
     add_engine_arguments(demo)
-    demo.add_argument("--out", default="out/demo_grid.png", help="where to write the grid")
-    sub.add_parser("queue-instrument", help="the fluid queue model (R12)", add_help=False)
+    add_config_arguments(demo, DemoOptions)
+    sub.add_parser("queue-instrument", help="the fluid queue model", add_help=False)
     return ap
 
 
 def serve(args: argparse.Namespace) -> int:
     from engine.serve import transport
 
-    address = args.address or transport.default_address()
+    options = config_from_args(ServeOptions, args)
+    model_options = config_from_args(ModelOptions, args)
+    adapter_options = config_from_args(AdapterOptions, args)
+    address = options.address or transport.default_address()
     try:  # fail before the slow imports and model load
         transport.check_bind_address(address, args.allow_remote_bind)
-        proc_config = proc_config_from_args(args, address=address, model_name=str(args.model))
+        proc_config = proc_config_from_args(args, address=address, model_name=str(model_options.model))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -111,19 +160,19 @@ def serve(args: argparse.Namespace) -> int:
     from engine.core import EngineCore
     from engine.serve.proc import configure_logging, run_engine
 
-    configure_logging(getattr(logging, args.log_level.upper(), logging.INFO))
+    configure_logging(getattr(logging, options.log_level.upper(), logging.INFO))
     log = logging.getLogger("diffslot.engine")
     for stale in transport.sweep_stale_sockets():
         log.info("removed stale socket %s", stale)
     from engine.decode.factory import make_decode_stage
     from engine.models.loading import load_model
 
-    device = args.device or default_device()
+    device = model_options.device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    log.info("loading model %s on %s (%s)", args.model, device, args.dtype)
-    model = load_model(args.model, device, dtype=args.dtype)
+    log.info("loading model %s on %s (%s)", model_options.model, device, model_options.dtype)
+    model = load_model(model_options.model, device, dtype=model_options.dtype)
     slots = args.slots
     if slots is None:  # from the denoiser's own curve on a CPU; on CUDA the config's default
         if device == "cpu":
@@ -134,19 +183,19 @@ def serve(args: argparse.Namespace) -> int:
             slots = CoreConfig.slots
     config = config_from_args(CoreConfig, args, specs=CORE_FLAGS, device=device, slots=slots)
     decode_config = config_from_args(DecodeConfig, args)
-    if args.inject_faults:
+    if options.inject_faults:
         from engine.testing.faults import FaultyModel, parse_spec
 
-        model = FaultyModel(model, **parse_spec(args.inject_faults))
+        model = FaultyModel(model, **parse_spec(options.inject_faults))
     adapters = None
-    if args.lora_dir:
+    if adapter_options.lora_dir:
         from engine.lora import AdapterPool
 
-        adapters = AdapterPool(model, args.lora_dir, budget_bytes=args.lora_budget_bytes,
-                               max_per_request=args.max_loras_per_request)
-        log.info("adapters from %s: %s", args.lora_dir, ", ".join(adapters.names()) or "none yet")
-    if args.core:
-        core = _core_factory(args.core)(model, config)
+        adapters = AdapterPool(model, adapter_options.lora_dir, budget_bytes=adapter_options.lora_budget_bytes,
+                               max_per_request=adapter_options.max_loras_per_request)
+        log.info("adapters from %s: %s", adapter_options.lora_dir, ", ".join(adapters.names()) or "none yet")
+    if options.core:
+        core = _core_factory(options.core)(model, config)
     else:
         core = EngineCore(model, config, adapters=adapters)
     return run_engine(core, proc_config,  # the arena holds every decode that admission reserves
@@ -175,9 +224,10 @@ def main(argv=None) -> int:
 
         from frontend.health import main as health
 
-        return health(args.address, args.timeout, args.ready, args.auth_token_file,
-                      args.curve_server_key or os.environ.get("DIFFSLOT_CURVE_SERVER_KEY"),
-                      args.curve_client_key or os.environ.get("DIFFSLOT_CURVE_CLIENT_KEY"))
+        options = config_from_args(HealthOptions, args)
+        return health(options.address, options.timeout_s, options.ready, options.auth_token_file,
+                      options.curve_server_key or os.environ.get("DIFFSLOT_CURVE_SERVER_KEY"),
+                      options.curve_client_key or os.environ.get("DIFFSLOT_CURVE_CLIENT_KEY"))
     if args.command == "demo":
         from engine.demo import main as demo
 

@@ -187,14 +187,12 @@ def engine_command(args: argparse.Namespace, address: str) -> list[str]:
     command = [sys.executable, "-m", "engine", "serve", "--address", address, "--model", args.model,
                *(["--slots", str(args.slots)] if args.slots is not None else []),
                "--layout", args.layout, "--admission", args.admission,
-               "--max-queue", str(args.max_queue),
+               "--max-queue", str(args.max_queue), "--dtype", args.dtype,
                *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
     if args.device:
         command += ["--device", args.device]
     if not args.cuda_graphs:
         command += ["--no-cuda-graphs"]
-    if args.dtype != "float32":
-        command += ["--dtype", args.dtype]
     return command
 
 

@@ -10,41 +10,69 @@ Shows a progress bar; Ctrl-C cancels the request on the engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import signal
 import sys
 
-from engine.protocol import OUTPUT_KINDS, SAMPLERS
+from engine.flags import add_config_arguments, cli, config_from_args, flag
+from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams
+
+# GenerateParams is the protocol's, which knows nothing of command lines: its flags are named here
+PARAM_FLAGS = {
+    "prompt": flag("--prompt", help='e.g. "a red circle"'),
+    "negative_prompt": flag("--negative-prompt",
+                            help="conditions the unconditional branch of guidance (default: the empty prompt)"),
+    "steps": flag("--steps", help="denoising steps"),
+    "sampler": flag("--sampler", help=f"one of {', '.join(SAMPLERS)}"),
+    "guidance": flag("--guidance", help="the pipeline's guidance_scale"),
+    "seed": flag("--seed", help="the request's random seed"),
+    "output": flag("--output-kind", dest="output_kind", choices=OUTPUT_KINDS,
+                   help="png; uint8 and latent are saved as .npy"),
+    "height": flag("--height", help="default: the model's native size, or the --image's"),
+    "width": flag("--width", help="default: the model's native size, or the --image's"),
+    "true_cfg": flag("--true-cfg", help="FLUX: the pipeline's true_cfg_scale"),
+    "strength": flag("--strength", help="with --image: how far from it to start, (0, 1] (default: the pipeline's)"),
+}
+# the empty negative prompt unless told otherwise, on every pipeline (SDXL zeroes an absent one instead)
+PARAM_DEFAULTS = {"negative_prompt": ""}
+
+
+@dataclasses.dataclass
+class GenerateOptions:
+    """`generate`'s flags beside the request's parameters: its input files, adapters, output file."""
+
+    out: str = dataclasses.field(metadata=cli("-o", "--out", help="file to write"))
+    image: str | None = dataclasses.field(default=None, metadata=cli(
+        "--image", metavar="FILE",
+        help="img2img: start from this PNG, JPEG or WebP image (its size, unless --height/--width)"))
+    mask: str | None = dataclasses.field(default=None, metadata=cli(
+        "--mask", metavar="FILE", help="inpainting: the image's size, white = repaint"))
+    lora: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--lora", metavar="NAME=SCALE",
+        help="a LoRA adapter of the engine's --lora-dir at a scale (repeat for several)"))
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    """How the client reaches the engine."""
+
+    address: str | None = dataclasses.field(default=None, metadata=cli(
+        "--address", help="engine address (default: the local engine)"))
+    timeout_s: float = dataclasses.field(default=30.0, metadata=cli(
+        "--timeout", dest="timeout", help="seconds to wait for the engine to answer"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m frontend", description="diffslot client")
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate one image")
-    gen.add_argument("--prompt", required=True, help='e.g. "a red circle"')
-    gen.add_argument("--negative-prompt", default="", help="conditions the unconditional branch of guidance")
-    gen.add_argument("--steps", type=int, default=20)
-    gen.add_argument("--sampler", default="default", help=f"one of {', '.join(SAMPLERS)}")
-    gen.add_argument("--guidance", type=float, default=3.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--height", type=int, default=None)
-    gen.add_argument("--width", type=int, default=None)
-    gen.add_argument("--image", default=None, metavar="FILE",
-                     help="img2img: start from this PNG, JPEG or WebP image (its size, unless --height/--width)")
-    gen.add_argument("--mask", default=None, metavar="FILE", help="inpainting: the image's size, white = repaint")
-    gen.add_argument("--strength", type=float, default=None,
-                     help="with --image: how far from it to start, (0, 1] (default: the pipeline's)")
-    gen.add_argument("--lora", action="append", default=[], metavar="NAME=SCALE",
-                     help="a LoRA adapter of the engine's --lora-dir at a scale (repeat for several)")
-    gen.add_argument("--true-cfg", type=float, default=None, help="FLUX: the pipeline's true_cfg_scale")
-    gen.add_argument("--output-kind", choices=OUTPUT_KINDS, default="png",
-                     help="png; uint8 and latent are saved as .npy")
-    gen.add_argument("-o", "--out", required=True, help="file to write")
-    gen.add_argument("--address", default=None, help="engine address (default: the local engine)")
-    gen.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the engine to answer")
+    add_config_arguments(gen, GenerateParams, specs=PARAM_FLAGS, defaults=PARAM_DEFAULTS)
+    add_config_arguments(gen, GenerateOptions)
+    add_config_arguments(gen, EngineOptions)
     stats = sub.add_parser("stats", help="print the engine's counters as JSON")
-    stats.add_argument("--address", default=None)
+    add_config_arguments(stats, EngineOptions, only={"address"})
     from frontend.http.server import add_arguments as http_arguments  # argparse only: no server imports yet
 
     http_arguments(sub.add_parser("http", help="serve the OpenAI-compatible images API (uvicorn)"))
@@ -55,19 +83,18 @@ def generate(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from frontend import Canceled, Client, Completed, EngineDeadError, GenerateParams, Rejected
+    from frontend import Canceled, Client, Completed, EngineDeadError, Rejected
 
+    options = config_from_args(GenerateOptions, args)
+    engine = config_from_args(EngineOptions, args)
     try:
-        extras = _extras(args)
+        inputs = _inputs(options, args.strength)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    params = GenerateParams(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
-                            sampler=args.sampler,
-                            guidance=args.guidance, seed=args.seed, output=args.output_kind,
-                            height=args.height, width=args.width, **extras)
+    params = config_from_args(GenerateParams, args, specs=PARAM_FLAGS, **inputs)
     try:
-        client = Client(args.address, connect_timeout=args.timeout)
+        client = Client(engine.address, connect_timeout=engine.timeout_s)
         client.connect()
     except ConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -78,7 +105,7 @@ def generate(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (even if inherited as ignored), kill: cancel
             signal.signal(signum, signal.default_int_handler)
         try:
-            with tqdm(total=args.steps, unit="step", desc=args.prompt[:30], leave=False, disable=None) as bar:
+            with tqdm(total=params.steps, unit="step", desc=params.prompt[:30], leave=False, disable=None) as bar:
                 for progress in handle.progress():
                     bar.update(progress.step - bar.n)
             result = handle.result()
@@ -96,7 +123,7 @@ def generate(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if isinstance(result, Completed):
-        out = pathlib.Path(args.out)
+        out = pathlib.Path(options.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         if result.output_kind == "png":
             out.write_bytes(result.output)
@@ -118,19 +145,18 @@ def generate(args: argparse.Namespace) -> int:
     return 1
 
 
-def _extras(args: argparse.Namespace) -> dict:
-    """The image inputs, adapters and true_cfg the flags give (only those given)."""
-    extras = {}
-    if args.image is not None:
-        extras["image"] = pathlib.Path(args.image).read_bytes()
-    elif args.mask is not None or args.strength is not None:
+def _inputs(options: GenerateOptions, strength: float | None) -> dict:
+    """The request's image inputs and adapters, from the files and NAME=SCALE pairs the
+    flags give (only those given)."""
+    inputs = {}
+    if options.image is not None:
+        inputs["image"] = pathlib.Path(options.image).read_bytes()
+    elif options.mask is not None or strength is not None:
         raise ValueError("--mask and --strength need --image")
-    if args.mask is not None:
-        extras["mask"] = pathlib.Path(args.mask).read_bytes()
-    if args.strength is not None:
-        extras["strength"] = args.strength
+    if options.mask is not None:
+        inputs["mask"] = pathlib.Path(options.mask).read_bytes()
     loras = {}
-    for item in args.lora:
+    for item in options.lora:
         name, sep, scale = item.rpartition("=")
         if not sep or not name:
             raise ValueError(f"--lora {item!r}: expected NAME=SCALE")
@@ -139,17 +165,15 @@ def _extras(args: argparse.Namespace) -> dict:
         except ValueError:
             raise ValueError(f"--lora {item!r}: the scale is not a number") from None
     if loras:
-        extras["loras"] = loras
-    if args.true_cfg is not None:
-        extras["true_cfg"] = args.true_cfg
-    return extras
+        inputs["loras"] = loras
+    return inputs
 
 
 def stats(args: argparse.Namespace) -> int:
     from frontend import Client
 
     try:
-        with Client(args.address, connect_timeout=10) as client:
+        with Client(config_from_args(EngineOptions, args).address, connect_timeout=10) as client:
             print(json.dumps(client.stats(), indent=1, sort_keys=True))
     except ConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The images API over Ray Serve replicas, each owning one engine process (R17).
+"""The images API over Ray Serve replicas, each owning one engine process.
 
     python -m frontend.ray_app --replicas 4 --model shapes --slots 16 --port 8000
     python -m frontend.ray_app --replicas 8 --address auto          # join a running Ray cluster
@@ -21,10 +21,10 @@ CUDA_VISIBLE_DEVICES for the replica, and the engine inherits it).
   at once, freeing the GPU for the replacement, rather than draining. A replica
   stopped gracefully drains its engine (SIGTERM) for at most `engine_drain_s`; one
   whose engine is already unreachable stops it at once.
-* Gateway options (`api_keys`, `max_body_bytes`, `rate_limit`, `rate_burst`) apply per
-  replica: each replica has its own rate buckets, so a caller's rate over the whole
-  application is up to `replicas` × the limit. API keys come from `--api-key` or
-  DIFFSLOT_API_KEYS in the driver's environment.
+* Gateway limits (`GatewayLimits`: API keys, body size, rate) apply per replica: each
+  replica has its own rate buckets, so a caller's rate over the whole application is
+  up to `replicas` × the limit. API keys come from `--api-key` or DIFFSLOT_API_KEYS in
+  the driver's environment.
 
 Ray's own ports (GCS 6379, the dashboard 8265, the client server 10001, the nodes'
 workers) accept jobs: whoever reaches them runs arbitrary code on the cluster. Keep
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import pathlib
@@ -47,15 +48,52 @@ import uuid
 
 from ray import serve
 
-from frontend.launcher import serve_command, stop_process
+from engine.flags import add_config_arguments, cli, config_from_args, config_from_mapping
 from frontend import parent_death
 from frontend.http.app import create_app
 from frontend.http.callers import api_keys as keys_from
 from frontend.http.link import EngineLink
+from frontend.http.options import GatewayLimits, ServerOptions
+from frontend.launcher import serve_command, stop_process
 
 log = logging.getLogger("diffslot.ray")
 
 ENGINE_DRAIN_S = 10.0  # a gracefully stopped replica's engine finishes in-flight work for at most this
+# the gateway limits a replica takes from the command line (and from `serve run`'s key=value arguments)
+REPLICA_LIMITS = ("api_keys", "max_body_bytes", "rate_limit", "rate_burst")
+
+
+@dataclasses.dataclass
+class AppConfig:
+    """The Serve application (`build_app`): its replicas and each one's engine."""
+
+    model: str = dataclasses.field(default="shapes", metadata=cli(
+        "--model", help="shapes or a model folder (on every node)"))
+    replicas: int = dataclasses.field(default=1, metadata=cli("--replicas", help="replicas, one engine each"))
+    slots: int = dataclasses.field(default=8, metadata=cli("--slots", help="each engine's --slots"))
+    decode_workers: int = dataclasses.field(default=1, metadata=cli(
+        "--decode-workers", help="each engine's --decode-workers"))
+    gpus_per_replica: float | None = dataclasses.field(default=None, metadata=cli(
+        "--gpus-per-replica", help="default: 1 if the cluster has GPUs, else 0"))
+    cpus_per_replica: float = dataclasses.field(default=1.0, metadata=cli(
+        "--cpus-per-replica", help="Ray CPUs each replica asks for"))
+    model_name: str | None = dataclasses.field(default=None, metadata=cli(
+        "--model-name", help="the model id to advertise (default: the engine's model name)"))
+    max_ongoing_requests: int = 256  # requests Ray lets reach one replica at once: the engine batches them
+    health_check_period_s: float = 2.0
+    health_check_timeout_s: float = 30.0
+    socket_dir: str | None = None  # where the engines' ipc sockets go (default: a fresh directory per replica)
+    engine_extra: list[str] = dataclasses.field(default_factory=list)  # more `python -m engine serve` flags
+    engine_command: list[str] | None = None  # instead of `python -m engine serve` (tests)
+    engine_drain_s: float = ENGINE_DRAIN_S
+
+
+@dataclasses.dataclass
+class DriverOptions:
+    """`python -m frontend.ray_app`'s own flag: the Ray cluster it runs on."""
+
+    address: str | None = dataclasses.field(default=None, metadata=cli(
+        "--address", help="Ray cluster to join ('auto': the local node's cluster); default: start a local one"))
 
 
 def _raise_interrupt(signum, frame):
@@ -68,9 +106,9 @@ class EngineReplica:
 
     async def __init__(self, engine_args: list[str], *, model_name: str | None = None,
                        socket_dir: str | None = None, ready_timeout_s: float = 600.0,
-                       engine_command: list[str] | None = None, gateway: dict | None = None,
+                       engine_command: list[str] | None = None, limits: GatewayLimits | None = None,
                        engine_drain_s: float = ENGINE_DRAIN_S):
-        self.gateway = dict(gateway or {})  # create_app's options
+        self.limits = limits or GatewayLimits()
         self.engine_drain_s = engine_drain_s
         self._own_dir = socket_dir is None
         self.dir = pathlib.Path(socket_dir or tempfile.mkdtemp(prefix="dsr-", dir="/tmp"))
@@ -102,7 +140,7 @@ class EngineReplica:
         log.info("replica ready: engine pid %d on %s", self.engine.pid, self.address)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.link, own_link=False, **self.gateway)
+        return create_app(self.link, self.limits, own_link=False)
 
     async def check_health(self) -> None:
         """Ray calls this every `health_check_period_s`; raising gets the replica replaced."""
@@ -135,85 +173,65 @@ class EngineReplica:
             await self._stop_engine()
 
 
-def engine_arguments(model: str = "shapes", slots: int = 8, decode_workers: int = 1, device: str | None = None,
-                     extra: list[str] | None = None) -> list[str]:
-    args = ["--model", str(model), "--slots", str(slots), "--decode-workers", str(decode_workers)]
+def engine_arguments(config: AppConfig, device: str | None) -> list[str]:
+    args = ["--model", str(config.model), "--slots", str(config.slots), "--decode-workers", str(config.decode_workers)]
     if device:
         args += ["--device", device]
-    return args + list(extra or [])
+    return args + list(config.engine_extra)
 
 
-def build_app(*, model: str = "shapes", replicas: int = 1, slots: int = 8, decode_workers: int = 1,
-              gpus_per_replica: float | None = None, cpus_per_replica: float = 1.0, model_name: str | None = None,
-              max_ongoing_requests: int = 256, health_check_period_s: float = 2.0,
-              health_check_timeout_s: float = 30.0, socket_dir: str | None = None,
-              engine_extra: list[str] | None = None, engine_command: list[str] | None = None,
-              api_keys: list[str] | tuple[str, ...] = (), max_body_bytes: int | None = None,
-              rate_limit: float = 0.0, rate_burst: float | None = None, engine_drain_s: float = ENGINE_DRAIN_S):
-    """The Serve application: `replicas` EngineReplicas. `gpus_per_replica` None: one
-    GPU each if the cluster has GPUs, else none (engines then run on CPU). The gateway
-    options are create_app's, applied in every replica."""
+def build_app(config: AppConfig | None = None, limits: GatewayLimits | None = None, **fields):
+    """The Serve application: `config.replicas` EngineReplicas (`fields` replace
+    `config`'s), each enforcing `limits` in its gateway. `gpus_per_replica` None: one GPU
+    each if the cluster has GPUs, else none (engines then run on CPU)."""
     import ray
 
+    config = dataclasses.replace(config or AppConfig(), **fields)
+    gpus_per_replica = config.gpus_per_replica
     if gpus_per_replica is None:
         gpus_per_replica = 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     # with a GPU, say so; without, let the engine choose (Ray hides the GPUs of a replica
     # that asked for none, so it runs on the CPU)
     device = "cuda" if gpus_per_replica else None
-    actor_options = {"num_cpus": cpus_per_replica}
+    actor_options = {"num_cpus": config.cpus_per_replica}
     if gpus_per_replica:
         actor_options["num_gpus"] = gpus_per_replica
     deployment = serve.deployment(
-        EngineReplica, name="diffslot", num_replicas=replicas, ray_actor_options=actor_options,
-        # the engine batches: let many requests reach one replica at a time
-        max_ongoing_requests=max_ongoing_requests,
-        health_check_period_s=health_check_period_s, health_check_timeout_s=health_check_timeout_s,
+        EngineReplica, name="diffslot", num_replicas=config.replicas, ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=config.health_check_period_s, health_check_timeout_s=config.health_check_timeout_s,
         # past this Ray kills the replica, and PDEATHSIG stops its engine at once
-        graceful_shutdown_timeout_s=engine_drain_s + 15.0)
-    gateway = {"api_keys": tuple(api_keys), "rate_limit": rate_limit, "rate_burst": rate_burst}
-    if max_body_bytes is not None:
-        gateway["max_body_bytes"] = max_body_bytes
-    return deployment.bind(engine_arguments(model, slots, decode_workers, device, engine_extra),
-                           model_name=model_name, socket_dir=socket_dir, engine_command=engine_command,
-                           gateway=gateway, engine_drain_s=engine_drain_s)
+        graceful_shutdown_timeout_s=config.engine_drain_s + 15.0)
+    return deployment.bind(engine_arguments(config, device), model_name=config.model_name,
+                           socket_dir=config.socket_dir, engine_command=config.engine_command,
+                           limits=limits or GatewayLimits(), engine_drain_s=config.engine_drain_s)
 
 
 def app_builder(args: dict):
-    """For `serve run frontend.ray_app:app_builder replicas=2 model=shapes slots=8`. API keys
-    come from DIFFSLOT_API_KEYS, not arguments (which show in process lists)."""
-    gpus = args.get("gpus_per_replica")
-    max_body = args.get("max_body_bytes")
-    burst = args.get("rate_burst")
-    return build_app(model=args.get("model", "shapes"), replicas=int(args.get("replicas", 1)),
-                     slots=int(args.get("slots", 8)), decode_workers=int(args.get("decode_workers", 1)),
-                     gpus_per_replica=None if gpus is None else float(gpus),
-                     cpus_per_replica=float(args.get("cpus_per_replica", 1.0)), model_name=args.get("model_name"),
-                     api_keys=keys_from(), max_body_bytes=None if max_body is None else int(max_body),
-                     rate_limit=float(args.get("rate_limit", 0.0)), rate_burst=None if burst is None else float(burst))
+    """For `serve run frontend.ray_app:app_builder replicas=2 model=shapes slots=8`: the
+    fields of the command line's flags, by name. API keys come from DIFFSLOT_API_KEYS,
+    not arguments (which show in process lists)."""
+    limits = {name: value for name, value in args.items() if name in REPLICA_LIMITS}
+    return build_app(config_from_mapping(AppConfig, args),
+                     config_from_mapping(GatewayLimits, limits, api_keys=list(keys_from())))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m frontend.ray_app",
+                                 description="the diffslot images API over Ray Serve replicas, one engine each")
+    add_config_arguments(ap, AppConfig)
+    add_config_arguments(ap, ServerOptions, only={"host", "port"})
+    add_config_arguments(ap, DriverOptions)
+    add_config_arguments(ap.add_argument_group("gateway limits, per replica"), GatewayLimits, only=REPLICA_LIMITS)
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m frontend.ray_app",
-                                 description="the diffslot images API over Ray Serve replicas, one engine each")
-    ap.add_argument("--replicas", type=int, default=1)
-    ap.add_argument("--model", default="shapes", help="shapes or a model folder (on every node)")
-    ap.add_argument("--model-name", default=None, help="the model id to advertise")
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--decode-workers", type=int, default=1)
-    ap.add_argument("--gpus-per-replica", type=float, default=None,
-                    help="default: 1 if the cluster has GPUs, else 0")
-    ap.add_argument("--cpus-per-replica", type=float, default=1.0)
-    ap.add_argument("--host", default="127.0.0.1", help="the HTTP proxy's interface (0.0.0.0 to expose it)")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--address", default=None,
-                    help="Ray cluster to join ('auto': the local node's cluster); default: start a local one")
-    ap.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (repeatable; also DIFFSLOT_API_KEYS)")
-    ap.add_argument("--max-body-bytes", type=int, default=None, metavar="B", help="largest request body (1 MiB)")
-    ap.add_argument("--rate-limit", type=float, default=0.0, metavar="R",
-                    help="requests per second per caller, per replica; 0 = no limit")
-    ap.add_argument("--rate-burst", type=float, default=None, metavar="N")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    config = config_from_args(AppConfig, args)
+    server = config_from_args(ServerOptions, args)
+    cluster = config_from_args(DriverOptions, args)
+    limits = config_from_args(GatewayLimits, args, api_keys=list(keys_from(args.api_keys)))
 
     import ray
 
@@ -222,16 +240,11 @@ def main(argv=None) -> int:
     from frontend.ray_app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ray.init(address=args.address)
+    ray.init(address=cluster.address)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(model=args.model, replicas=args.replicas, slots=args.slots,
-                            decode_workers=args.decode_workers, gpus_per_replica=args.gpus_per_replica,
-                            cpus_per_replica=args.cpus_per_replica, model_name=args.model_name,
-                            api_keys=keys_from(args.api_keys), max_body_bytes=args.max_body_bytes,
-                            rate_limit=args.rate_limit, rate_burst=args.rate_burst),
-                  name="diffslot", route_prefix="/")
-        print(f"diffslot images API on http://{args.host}:{args.port}/v1 ({args.replicas} replicas); "
+        serve.start(http_options={"host": server.host, "port": server.port})
+        serve.run(build_app(config, limits), name="diffslot", route_prefix="/")
+        print(f"diffslot images API on http://{server.host}:{server.port}/v1 ({config.replicas} replicas); "
               "Ctrl-C stops it", flush=True)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         while True:
@@ -241,7 +254,7 @@ def main(argv=None) -> int:
     finally:
         try:
             serve.delete("diffslot")
-            if args.address is None:
+            if cluster.address is None:
                 serve.shutdown()
         finally:
             ray.shutdown()

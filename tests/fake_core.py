@@ -239,8 +239,8 @@ def main(argv=None, *, wrap_core=None, proc_defaults: dict | None = None) -> int
     `proc_defaults` replace ProcConfig's defaults (the tests' engines give up sooner)."""
     from engine.decode.in_process import InProcessDecodeStage
     from engine.decode.stage import DecodeConfig
-    from engine.serve.options import add_config_arguments, add_proc_arguments, config_from_args, \
-        proc_config_from_args
+    from engine.flags import add_config_arguments, config_from_args
+    from engine.serve.options import add_proc_arguments, proc_config_from_args
     from engine.serve.proc import configure_logging, run_engine
 
     ap = argparse.ArgumentParser(description="an engine process around FakeCore (tests only)")

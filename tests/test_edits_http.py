@@ -35,8 +35,9 @@ openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
 from PIL import ImageDraw  # noqa: E402
 
-from engine.protocol import Completed, GenerateParams  # noqa: E402
+from engine.protocol import MAX_INPUT_BYTES, Completed, GenerateParams  # noqa: E402
 from frontend import Client  # noqa: E402
+from frontend.http.options import MAX_UPLOAD_BYTES  # noqa: E402
 from tests.proc_helpers import REPO, env, socket_dir, start_engine  # noqa: E402
 from tests.test_http import gateway, png_size  # noqa: E402
 
@@ -161,14 +162,14 @@ def test_bad_uploads_are_400_naming_the_field(stack):
         (httpx.post(url, data={"prompt": "a red circle"}, files={"mask": ("m.png", square_mask())}), "image"),
         (httpx.post(url, json={"prompt": "a red circle"}), None),  # not a form
         (httpx.post(url, data={"prompt": "a red circle"},
-                    files={"image": ("big.png", image + b"\0" * (16 << 20))}, timeout=60), "image"),  # > 16 MiB
+                    files={"image": ("big.png", image + b"\0" * MAX_INPUT_BYTES)}, timeout=60), "image"),  # too big
     ]
     for response, param in answers:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
     # a form over the gateway's upload limit is 413 before it is read
     with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as raw:
-        raw.sendall(f"POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Length: {64 << 20}\r\n"
+        raw.sendall(f"POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_UPLOAD_BYTES + 1}\r\n"
                     f"Content-Type: multipart/form-data; boundary=b\r\n\r\n".encode())
         assert raw.recv(64).startswith(b"HTTP/1.1 413")
 

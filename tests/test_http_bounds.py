@@ -294,12 +294,13 @@ def test_idle_caller_connections_make_room_and_are_closed_on_the_engine(engine):
     idle ones closed (the engine sees them go), and no caller refused."""
     from frontend.http.app import create_app
     from frontend.http.link import EngineLink
+    from frontend.http.options import GatewayLimits
 
     keys = [f"key-{i}" for i in range(6)]
 
     async def run():
         link = EngineLink(engine.address, max_callers=2)
-        app = create_app(link, own_link=False, api_keys=keys)
+        app = create_app(link, GatewayLimits(api_keys=keys), own_link=False)
         transport = httpx.ASGITransport(app)
         try:
             assert await link.wait_connected(30)

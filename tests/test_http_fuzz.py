@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from frontend import Client  # noqa: E402
 from frontend.http.app import create_app  # noqa: E402
 from frontend.http.link import EngineLink  # noqa: E402
+from frontend.http.options import GatewayLimits  # noqa: E402
 from tests.proc_helpers import fake_engine, wait_until  # noqa: E402
 
 KEY = "fuzz-key"
@@ -132,8 +133,8 @@ def gateway():
     with fake_engine("--output-budget", "1500000") as engine:
         loop = asyncio.new_event_loop()
         link = EngineLink(engine.address, connect_timeout_s=10)
-        app = create_app(link, own_link=False, api_keys=[KEY], max_body_bytes=MAX_BODY, rate_limit=200,
-                         rate_burst=50)
+        app = create_app(link, GatewayLimits(api_keys=[KEY], max_body_bytes=MAX_BODY, rate_limit=200, rate_burst=50),
+                         own_link=False)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway", timeout=60)
         try:
             assert loop.run_until_complete(link.wait_connected(30)), "the gateway did not connect"

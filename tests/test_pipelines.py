@@ -1,5 +1,5 @@
-"""Text-to-image pipeline folders (SD, SD3) against diffusers' own pipeline call (DESIGN.md
-section 3, R13, R14): a request alone, requests sharing batches with late joins and
+"""Text-to-image pipeline folders (SD, SD3) against diffusers' own pipeline call (DESIGN.md,
+"Reference semantics"; R13, R14): a request alone, requests sharing batches with late joins and
 cancellations, uint8 output, the encode phase and its cache, conditioning references."""
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ def test_system_names_and_slugs():
 def test_the_baseline_core_equals_the_pipeline(tmp_path):
     """bench.baselines' diffusers-batched core, in-process: one pipeline call for requests
     with the same (steps, sampler, guidance, size), each result equal to the diffusers
-    pipeline run alone (DESIGN.md section 3), a second call for another key, and a cancel
+    pipeline run alone (DESIGN.md, "Reference semantics"), a second call for another key, and a cancel
     answered at once while its row runs to the end of the call (counted as padded)."""
     import torch
 

@@ -1,4 +1,4 @@
-"""The decode arena (R7, R10): one shared-memory segment of decode buffers, allocated
+"""The decode arena: one shared-memory segment of decode buffers, allocated
 once at engine start and shared with the decode worker processes.
 
 Layout (all offsets page-aligned; every header field is one native int64 word):
@@ -32,7 +32,7 @@ Only the engine writes a FREE buffer; only the claiming worker writes a CLAIMED 
 latent-independent fields (claim time, pid, deadline, output); the engine takes a
 CLAIMED buffer back only after that worker is dead.
 
-Segment names start with `diffslot-<engine pid>-` (R10); `sweep_stale()` removes those
+Segment names start with `diffslot-<engine pid>-`; `sweep_stale()` removes those
 whose engine is gone. When CUDA is used the whole segment is page-locked with
 `cudaHostRegister`, so the final latents' device-to-host copy runs asynchronously into it.
 """
@@ -131,7 +131,7 @@ def request_hash(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 1
 
 
-# ---- R10: stale segments ------------------------------------------------------------------
+# ---- stale segments ----------------------------------------------------------------------
 
 def _boot_time() -> float | None:
     try:
@@ -328,12 +328,6 @@ class Arena:
                 torch.cuda.synchronize(device)
         except Exception:  # a dead context copies nothing any more
             log.warning("synchronising CUDA before unpinning the decode arena failed", exc_info=True)
-
-    def unpin(self) -> None:
-        if self._pinned is None:
-            return
-        self.wait_for_copies()  # never unregister memory a copy may still write
-        self._unregister()
 
     def _unregister(self) -> None:
         if self._pinned is None:

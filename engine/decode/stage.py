@@ -4,7 +4,7 @@ outputs (PNG / uint8 / latent) out.
 The engine's busy loop only talks to `DecodeStage`. `InProcessDecodeStage` decodes on
 one thread of the engine process (torch releases the GIL while it computes, so the
 busy loop keeps stepping); `MultiProcessDecodeStage` decodes in worker processes fed
-through a shared-memory arena (R7). Both satisfy the Protocol (tests check it).
+through a shared-memory arena. Both satisfy the Protocol (tests check it).
 """
 from __future__ import annotations
 
@@ -14,29 +14,25 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from engine.flags import cli
 from engine.protocol import GenerateParams, Timings
 
 CANCELED = "canceled"  # the `error` of a decode whose output was dropped by `cancel`
-
-
-def _cli(*flags: str, help: str, metavar: str | None = None, dest: str | None = None) -> dict:
-    """Field metadata naming the field's command-line flag (engine.serve.options reads it)."""
-    return {"cli": {"flags": flags, "help": help, "metavar": metavar, "dest": dest}}
 
 
 @dataclasses.dataclass
 class DecodeConfig:
     """How the decode stage runs (`engine.decode.factory.make_decode_stage`)."""
 
-    workers: int | None = dataclasses.field(default=None, metadata=_cli(
+    workers: int | None = dataclasses.field(default=None, metadata=cli(
         "--decode-workers", metavar="N", dest="decode_workers",
         help="decode worker processes over the shared arena; 0 decodes in the engine process (see "
              "--in-process-decode) (default: 1 on CUDA and on a CPU of 2 to 23 cores, more beyond, 0 on one core)"))
-    decode_timeout_s: float = dataclasses.field(default=120.0, metadata=_cli(
+    decode_timeout_s: float = dataclasses.field(default=120.0, metadata=cli(
         "--decode-timeout", metavar="S",
         help="a decode running longer fails its request (Failed) and later decodes go on: a worker is killed "
              "and replaced, an in-process decode thread is abandoned and replaced (0: no deadline)"))
-    in_process: str = dataclasses.field(default="auto", metadata=_cli(
+    in_process: str = dataclasses.field(default="auto", metadata=cli(
         "--in-process-decode", metavar="MODE", dest="in_process_decode",
         help="with --decode-workers 0: 'inline' decodes on the busy loop's thread between steps, several "
              "latents per VAE call, nothing beside the denoiser; 'thread' on a thread beside it, with the "

@@ -1,6 +1,6 @@
 """A decode worker process (spawned by `engine.decode.workers.MultiProcessDecodeStage`):
 claims the oldest ready buffer of the shared arena, decodes it with the model's VAE,
-post-processes it and publishes the output in place (R7)."""
+post-processes it and publishes the output in place."""
 from __future__ import annotations
 
 import logging

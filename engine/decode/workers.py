@@ -1,4 +1,4 @@
-"""Decode workers (R7): N processes decode final latents out of the shared arena.
+"""Decode workers: N processes decode final latents out of the shared arena.
 
     engine busy loop                      arena (shared memory)             decode worker k
     submit(): latents → buffer i,         STATE FREE → READY(e)      ──▶    claim: CAS READY(e) → CLAIMED(e, k)
@@ -22,7 +22,7 @@ Faults (the choices):
   process sentinel; each buffer it had claimed is reclaimed and its request ends with
   `DecodedOutput(error="decode worker died ...")` → the client gets `Failed`. The
   request is not decoded again: a latent that crashes the VAE would otherwise take
-  down every worker in turn (R7: "its request fails cleanly, not silently"). The worker
+  down every worker in turn; only that request fails, and it says why. The worker
   is replaced at once (a worker that dies before it has loaded its model three times in
   a row is not replaced again; with no worker left, decodes fail with that reason).
 - A worker past its buffer's deadline (claim time + `decode_timeout_s`, in the header)
@@ -145,7 +145,7 @@ class MultiProcessDecodeStage:
         self._on_ready = on_ready
         self._ctx = multiprocessing.get_context("spawn")
 
-        for name in A.sweep_stale():  # R10: segments of engines that were killed
+        for name in A.sweep_stale():  # segments of engines that were killed
             log.info("swept stale segment %s", name)
         self.arena = A.Arena.create(buffers, latent_bytes, output_bytes)
         self.buffers = buffers

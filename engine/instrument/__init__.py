@@ -1,4 +1,4 @@
-"""Queue instrument (requirement R12): the fluid model of admission pressure, and a
+"""Queue instrument: the fluid model of admission pressure, and a
 measured backlog beside it.
 
 One job per module, each importing only the ones above it:

@@ -1,4 +1,4 @@
-"""The queue instrument's command line (requirement R12).
+"""The queue instrument's command line.
 
 Usage (``python -m engine queue-instrument``; ``python -m engine.instrument``
 runs the same thing)::
@@ -19,21 +19,52 @@ runs the same thing)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import textwrap
 import threading
 from typing import Sequence
 
-from engine.instrument.fluid import LIMITS, STEP, FluidQueue, to_fraction
+from engine.flags import add_config_arguments, cli, config_from_args
+from engine.instrument.fluid import INITIAL_BACKLOG, LIMITS, STEP, FluidQueue, to_fraction
 from engine.instrument.formatting import fmt
 from engine.instrument.plot import write_plot
 from engine.instrument.runs import RunFormatError, format_run, load_run
 from engine.instrument.server import is_loopback, make_server
 
-__all__ = ["build_parser", "main"]
+__all__ = ["InstrumentOptions", "build_parser", "main"]
 
 PROG = "python -m engine queue-instrument"
+
+
+@dataclasses.dataclass
+class InstrumentOptions:
+    """The instrument's flags. Rates, times and the tolerance stay text here: `main` reads
+    them as exact decimals (to_fraction), so 0.1 is one tenth, not a float near it."""
+
+    arrival: str | None = dataclasses.field(default=None, metadata=cli(
+        "--arrival", metavar="LAMBDA", help="offered arrival rate lambda (>= 0)"))
+    service: str | None = dataclasses.field(default=None, metadata=cli(
+        "--service", metavar="MU", help="service rate mu (>= 0)"))
+    steps: int = dataclasses.field(default=4, metadata=cli(
+        "--steps", metavar="N", help=f"steps of {fmt(STEP)} to take after reset"))
+    predict_t: str | None = dataclasses.field(default=None, metadata=cli(
+        "--predict-t", metavar="T", help=f"time to predict the backlog at (default: steps * {fmt(STEP)})"))
+    from_run: str | None = dataclasses.field(default=None, metadata=cli(
+        "--from-run", metavar="RESULTS.json",
+        help="overlay the backlog a real engine run measured on the fluid prediction at that run's measured rates"))
+    tolerance: str = dataclasses.field(default="1", metadata=cli(
+        "--tolerance", metavar="Q",
+        help="deviation (requests) beyond which the fluid model is said to stop holding, for --from-run"))
+    plot: str | None = dataclasses.field(default=None, metadata=cli(
+        "--plot", metavar="OUT.png", help="write the plot as a PNG (matplotlib)"))
+    serve: bool = dataclasses.field(default=False, metadata=cli("--serve", help="serve the instrument page"))
+    host: str = dataclasses.field(default="127.0.0.1", metadata=cli("--host", help="address to serve on"))
+    port: int = dataclasses.field(default=0, metadata=cli("--port", help="port to serve on; 0 picks a free port"))
+    allow_remote: bool = dataclasses.field(default=False, metadata=cli(
+        "--allow-remote", help="allow serving on a non-loopback address (the page has no authentication)"))
+    verbose: bool = dataclasses.field(default=False, metadata=cli("--verbose", help="log HTTP requests"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Queue instrument: the fluid model of admission pressure.\n"
             "Backlog q(t) with arrival rate lambda and service rate mu follows\n"
             "dq/dt = lambda - mu while q > 0 and never goes below 0. Reset gives t = 0,\n"
-            "backlog 4; each step advances t by 0.5; predict(t) gives q(t) and the drain time.\n\n"
+            f"backlog {fmt(INITIAL_BACKLOG)}; each step advances t by {fmt(STEP)}; predict(t) gives q(t) and the "
+            "drain time.\n\n"
             + textwrap.fill(LIMITS, width=78)
         ),
         epilog=(
@@ -57,25 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  \"initial_backlog\": q (optional), \"backlog\": [[t_seconds, queued], ...]}}}"
         ),
     )
-    p.add_argument("--arrival", metavar="LAMBDA", help="offered arrival rate lambda (>= 0)")
-    p.add_argument("--service", metavar="MU", help="service rate mu (>= 0)")
-    p.add_argument("--steps", type=int, default=4, metavar="N",
-                   help="steps of 0.5 to take after reset (default 4)")
-    p.add_argument("--predict-t", metavar="T",
-                   help="time to predict the backlog at (default: steps * 0.5)")
-    p.add_argument("--from-run", metavar="RESULTS.json",
-                   help="overlay the backlog a real engine run measured on the fluid prediction "
-                        "at that run's measured rates")
-    p.add_argument("--tolerance", default="1", metavar="Q",
-                   help="deviation (requests) beyond which the fluid model is said to stop "
-                        "holding, for --from-run (default 1)")
-    p.add_argument("--plot", metavar="OUT.png", help="write the plot as a PNG (matplotlib)")
-    p.add_argument("--serve", action="store_true", help="serve the instrument page")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port to serve on (default 0: a free port)")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow serving on a non-loopback address (the page has no authentication)")
-    p.add_argument("--verbose", action="store_true", help="log HTTP requests")
+    add_config_arguments(p, InstrumentOptions)
     return p
 
 
@@ -87,7 +101,7 @@ def _err(msg: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args = config_from_args(InstrumentOptions, parser.parse_args(list(argv) if argv is not None else None))
     except SystemExit as e:  # --help, or a usage error already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 

@@ -1,4 +1,4 @@
-"""Fluid model of admission pressure (requirement R12).
+"""Fluid model of admission pressure.
 
 The backlog ``q(t)`` of a queue fed at offered rate ``lambda`` (arrival, requests
 per unit time) and drained at service rate ``mu`` follows

@@ -1,4 +1,4 @@
-"""Per-request LoRA adapters, mixed in one batch (R20).
+"""Per-request LoRA adapters, mixed in one batch.
 
 * `engine.lora.kernel`: `lora_delta` / `add_lora_`: each row's own adapters in one call,
   a Triton kernel (shrink then expand, as Punica's SGMV) and its torch reference.

@@ -34,7 +34,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _B2U = _bytes_to_unicode()
-_U_ORDER = {u: i for i, u in enumerate(_B2U.values())}
 
 
 def _symbols(word: str) -> list[str]:

@@ -6,9 +6,12 @@
 - `handoff`: the typed items between the two, and the bounded per-client inboxes;
 - `bookkeeping`: the records of requests and clients, and the output bytes each client holds;
 - `delivery`: from the core's outputs to the clients' messages, through the decode stage;
-- `heartbeat` (the busy loop's stamps), `watchdog` (a hung step ends the engine), `health`
-  (the `engine health` probe);
-- `options` (ProcConfig and the flags made from configuration fields), `transport` (addresses,
-  ipc sockets, CURVE, the waker), `frames` (peeking into an oversized frame), `metrics`
-  (Prometheus), `launcher` (starting and stopping an engine process).
+- `heartbeat` (the busy loop's stamps, which health answers read), `watchdog` (a hung step
+  ends the engine);
+- `options` (ProcConfig, its flags and the files its secrets come from), `transport`
+  (addresses, ipc sockets, CURVE, the waker), `frames` (peeking into an oversized frame),
+  `metrics` (Prometheus).
+
+The `python -m engine health` probe is a client (`frontend/health.py`), and so is the
+launcher that starts and stops engine processes (`frontend/launcher.py`).
 """

@@ -1,5 +1,5 @@
 """The engine process's books: every accepted request, every client, and the output bytes
-each client holds (R8).
+each client holds.
 
 A client holds the worst-case bytes of the outputs its unfinished requests have yet to
 produce (final outputs and partial images alike), plus the bytes it has been sent and

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the engine process (R9), served on 127.0.0.1 only.
+"""Prometheus metrics of the engine process, served on 127.0.0.1 only.
 
 Per-request service times are histograms fed as requests finish; engine-wide
 numbers are gauges copied from `EngineCore.stats()` (whatever numeric keys it

@@ -1,13 +1,9 @@
-"""The engine process's configuration (`ProcConfig`) and the command-line flags made from
-configuration dataclasses, so that each default is written once, on its field.
+"""The engine process's configuration (`ProcConfig`), its flags, and the files its
+secrets come from.
 
-A field that is a flag carries `cli(...)` metadata (its flag names and help);
-`add_config_arguments` turns those fields into argparse options whose defaults are the
-dataclass's, and `config_from_args` builds the dataclass back from the parsed flags.
-`ProcConfig` (here), `DecodeConfig` (engine.decode.stage) and `CoreConfig`
-(engine.core.config, whose flags' names and help `engine.__main__` supplies) all go
-through it. Secrets are read from files (`--auth-token-file`, `--curve-secret-key`) by
-`proc_config_from_args`, never taken on the command line.
+ProcConfig's fields that are flags carry `cli(...)` metadata (engine.flags), so each
+default is written once, on its field. Secrets are read from files (`--auth-token-file`,
+`--curve-secret-key`) by `proc_config_from_args`, never taken on the command line.
 """
 from __future__ import annotations
 
@@ -17,32 +13,11 @@ import logging
 import os
 import stat
 import sys
-import types
-import typing
 
+from engine.flags import add_config_arguments, cli, config_from_args
 from engine.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("diffslot.engine")
-
-
-def flag(*flags: str, help: str, metavar: str | None = None, choices: typing.Sequence[str] | None = None,
-         negate: bool = False, dest: str | None = None) -> dict:
-    """A field's flag: `flags[0]` (the others are aliases), parsed into `dest` (default:
-    the field's name). `negate`: a bool field that defaults to True, turned off by the flag."""
-    return {"flags": flags, "help": help, "metavar": metavar, "choices": choices, "negate": negate, "dest": dest}
-
-
-def cli(*flags: str, **options) -> dict:
-    """Field metadata making the field a flag (see `flag`)."""
-    return {"cli": flag(*flags, **options)}
-
-
-def _spec(field: dataclasses.Field, specs: dict[str, dict] | None) -> dict | None:
-    return (specs or {}).get(field.name) or field.metadata.get("cli")
-
-
-def _dest(field: dataclasses.Field, spec: dict) -> str:
-    return spec.get("dest") or field.name
 
 
 @dataclasses.dataclass
@@ -113,68 +88,30 @@ class ProcConfig:
     coalesce_progress: bool = True  # one progress message per client per step (False: one per request)
 
 
-# --------------------------------------------------------------------- flags from fields
-
-
-def _flag_type(hint) -> type:
-    """int for `int | None`, etc."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
-
-
-def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-                         specs: dict[str, dict] | None = None, defaults: dict | None = None,
-                         only: typing.Collection[str] | None = None) -> None:
-    """One option per field of `cls` that has `cli` metadata (or an entry in `specs`, for a
-    dataclass defined elsewhere), with dest = the field's name and the field's default
-    (or `defaults[name]`, for a caller such as the tests' fake engine that wants others)."""
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        spec = _spec(field, specs)
-        if spec is None or (only is not None and field.name not in only):
-            continue
-        default = (defaults or {}).get(field.name, field.default)
-        kind = _flag_type(hints[field.name])
-        help_text = spec["help"]
-        if kind is bool:
-            action = "store_false" if spec.get("negate") else "store_true"
-            parser.add_argument(*spec["flags"], dest=_dest(field, spec), action=action, default=default,
-                                help=help_text)
-            continue
-        if default is not None:
-            help_text += " (default %(default)s)"
-        parser.add_argument(*spec["flags"], dest=_dest(field, spec), type=kind, default=default,
-                            metavar=spec.get("metavar"), choices=spec.get("choices"), help=help_text)
-
-
-def config_from_args(cls: type, args: argparse.Namespace, *, specs: dict[str, dict] | None = None, **fields):
-    """`cls` from the parsed flags of its fields (those `add_config_arguments` made), and
-    `fields` for the rest."""
-    values = {}
-    for field in dataclasses.fields(cls):
-        spec = _spec(field, specs)
-        if field.name in fields or spec is None or not hasattr(args, _dest(field, spec)):
-            continue
-        values[field.name] = getattr(args, _dest(field, spec))
-    return cls(**values, **fields)
-
-
 # --------------------------------------------------------------------- the engine process's flags
+
+
+@dataclasses.dataclass
+class SecretFiles:
+    """Where the engine process's secrets are read from: the command line names the files,
+    never the secrets themselves (command lines show in process lists)."""
+
+    auth_token_file: str | None = dataclasses.field(default=None, metadata=cli(
+        "--auth-token-file", metavar="PATH",
+        help="require this shared token (the file's first line) in every client's Hello; clients pass "
+             "Client(address, token=...) or $DIFFSLOT_TOKEN. Sent in clear text: over a network prefer "
+             "--curve-secret-key"))
+    curve_secret_key: str | None = dataclasses.field(default=None, metadata=cli(
+        "--curve-secret-key", metavar="FILE",
+        help="encrypt and authenticate the ZeroMQ connection with CURVE: FILE is the engine's secret certificate "
+             "(zmq.auth.create_certificates writes NAME.key_secret); clients need the public one (NAME.key)"))
 
 
 def add_proc_arguments(ap: argparse.ArgumentParser, *, defaults: dict | None = None) -> None:
     """ProcConfig's flags (all but --address), and the files its secrets come from."""
     group = ap.add_argument_group("engine process")
     add_config_arguments(group, ProcConfig, defaults=defaults)
-    group.add_argument("--auth-token-file", default=None, metavar="PATH",
-                       help="require this shared token (the file's first line) in every client's Hello; clients "
-                            "pass Client(address, token=...) or $DIFFSLOT_TOKEN. Sent in clear text: over a "
-                            "network prefer --curve-secret-key")
-    group.add_argument("--curve-secret-key", default=None, metavar="FILE",
-                       help="encrypt and authenticate the ZeroMQ connection with CURVE: FILE is the engine's "
-                            "secret certificate (zmq.auth.create_certificates writes NAME.key_secret); clients "
-                            "need the public one (NAME.key)")
+    add_config_arguments(group, SecretFiles)
 
 
 def read_token(path: str) -> str:
@@ -206,14 +143,15 @@ def _warn_if_shared(path: str, what: str) -> None:
 def proc_config_from_args(args: argparse.Namespace, **fields) -> ProcConfig:
     """A ProcConfig from the flags above and the caller's own fields (address, ...).
     Raises ValueError (to be reported as a usage error) for an unusable secret file."""
-    if args.auth_token_file:
+    files = config_from_args(SecretFiles, args)
+    if files.auth_token_file:
         try:
-            fields["auth_token"] = read_token(args.auth_token_file)
+            fields["auth_token"] = read_token(files.auth_token_file)
         except OSError as exc:
             raise ValueError(f"cannot read --auth-token-file: {exc}") from None
-    if args.curve_secret_key:
+    if files.curve_secret_key:
         try:
-            fields["curve_public_key"], fields["curve_secret_key"] = read_curve_secret(args.curve_secret_key)
+            fields["curve_public_key"], fields["curve_secret_key"] = read_curve_secret(files.curve_secret_key)
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot use --curve-secret-key: {exc}") from None
     config = config_from_args(ProcConfig, args, **fields)

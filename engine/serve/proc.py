@@ -19,14 +19,14 @@ Bounded work: the busy loop takes at most `inputs_per_iteration` client messages
 two steps, one client at a time in turn (engine.serve.handoff), and the IO thread keeps
 each client's inbox under `max_pending_per_client` (engine.serve.io_thread).
 
-Lifecycle (R10): clients `Hello` → `Welcome`; both sides send `Heartbeat` every
+Lifecycle: clients `Hello` → `Welcome`; both sides send `Heartbeat` every
 `heartbeat_interval_s`. A client is written off when it says `Goodbye`, when it is
 silent for `peer_timeout_s`, or at once when ZMQ reports its connection gone
 (ROUTER_MANDATORY makes a send to it fail with EHOSTUNREACH); its requests are then
 canceled. With `auth_token` set, a Hello must carry it (compared in constant time);
 with a CURVE key pair the connection itself is encrypted and authenticated.
 
-Shutdown (R15): the first SIGTERM drains — new Submits get `Rejected("engine shutting
+Shutdown: the first SIGTERM drains — new Submits get `Rejected("engine shutting
 down", retry_after_s)`, requests in flight get `drain_timeout_s` to finish, the rest
 are canceled (`Canceled`), then every client gets `EngineDead` and the process exits 0.
 A second SIGTERM, or SIGINT (Ctrl-C), stops at once: every request is aborted,
@@ -34,7 +34,7 @@ A second SIGTERM, or SIGINT (Ctrl-C), stops at once: every request is aborted,
 (engine.serve.watchdog): `EngineDead` to every client from the IO thread, decode
 workers killed, shared memory and socket removed, exit code 3 (EXIT_HUNG).
 
-Slow clients (R8): sends never block (NOBLOCK + ROUTER_MANDATORY: a full pipe raises
+Slow clients: sends never block (NOBLOCK + ROUTER_MANDATORY: a full pipe raises
 EAGAIN instead of blocking or silently dropping). What does not fit waits in that
 client's backlog, where Progress messages are coalesced to the latest one per request.
 Each client's output bytes are bounded by its budget, and all clients' together by
@@ -121,7 +121,7 @@ class EngineCoreProc:
         self._rejection_log = FrameRate(REJECTIONS_LOGGED_PER_S, REJECTIONS_LOGGED_PER_S)
 
         transport.check_bind_address(config.address, config.allow_remote_bind)
-        for name in sweep_stale_segments():  # R10: what an engine killed by SIGKILL left
+        for name in sweep_stale_segments():  # what an engine killed by SIGKILL left behind
             log.warning("removed stale shared memory segment /dev/shm/%s (its engine is gone)", name)
         path = transport.ipc_path(config.address)
         if path is not None:
@@ -431,7 +431,7 @@ class EngineCoreProc:
         except RequestRejected as exc:
             self._reject(client, msg.request_id, exc.reason, exc.field, exc.retry_after_s)
             return
-        except Exception:  # a core bug on odd input must not take the engine down (R11)
+        except Exception:  # a core bug on odd input must not take the engine down
             log.exception("request %s: add_request failed", rid)
             self._reject(client, msg.request_id, "internal error (the engine's log has the details)", None)
             return

@@ -205,7 +205,7 @@ class Waker:
                 pass
 
 
-# --------------------------------------------------------------------- shared memory and children (R10)
+# --------------------------------------------------------------------- shared memory and children
 
 SHM_DIR = pathlib.Path("/dev/shm")
 

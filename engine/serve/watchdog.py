@@ -1,4 +1,4 @@
-"""The step watchdog (R15): a `core.step()` that runs longer than `--step-timeout`
+"""The step watchdog: a `core.step()` that runs longer than `--step-timeout`
 ends the engine, so a supervisor (systemd, Kubernetes) restarts it.
 
 The busy loop stamps the start and end of every step on its heartbeat

@@ -1,4 +1,4 @@
-"""Fault injection for tests of failure isolation (R15): a model wrapper whose denoiser
+"""Fault injection for tests of failure isolation: a model wrapper whose denoiser
 raises, returns NaN, or runs out of memory for chosen prompts, at the row level, as a
 real denoiser fails on an input it cannot take.
 

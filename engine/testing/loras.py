@@ -1,6 +1,6 @@
 """LoRA adapters for tests and benchmarks, made offline with PEFT, and the oracle for a
 request with adapters: the pipeline with diffusers' own `load_lora_weights(...,
-adapter_name=...)` and `set_adapters(names, adapter_weights=scales)` (R20)."""
+adapter_name=...)` and `set_adapters(names, adapter_weights=scales)`."""
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,5 @@
-"""The oracle for pipeline folders (DESIGN.md section 3): diffusers' own pipeline call,
-its scheduler swapped for the sampler.
+"""The oracle for pipeline folders (DESIGN.md, "Reference semantics"): diffusers' own
+pipeline call, its scheduler swapped for the sampler.
 
     pipe(prompt, negative_prompt=neg, num_inference_steps=steps, guidance_scale=g,
          height=h, width=w, generator=torch.Generator("cpu").manual_seed(seed),
@@ -109,7 +109,7 @@ def pipeline_output(folder, sampler: str, prompt: str, steps: int, guidance: flo
     else:
         size = dict(height=height, width=width)
     original = pipe.scheduler
-    if sampler != "default":  # as the contract writes it: Cls.from_config(pipe.scheduler.config, ...)
+    if sampler != "default":  # the sampler's class from the pipeline's own config, as diffusers swaps schedulers
         config = dict(original.config, _class_name=type(original).__name__)
         pipe.scheduler = make_scheduler(sampler, config)
     else:

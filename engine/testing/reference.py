@@ -1,6 +1,7 @@
-"""The reference semantics of DESIGN.md section 3 for class-conditional models (the loop
-written out), and the tiny class-conditional model loaded in memory. For pipeline folders
-the oracle is the diffusers pipeline itself (`engine.testing.pipeline_oracle`)."""
+"""The reference semantics for class-conditional models (DESIGN.md, "Reference
+semantics"): the loop written out, and the tiny class-conditional model loaded in
+memory. For pipeline folders the oracle is the diffusers pipeline itself
+(`engine.testing.pipeline_oracle`)."""
 from __future__ import annotations
 
 import pathlib
@@ -23,7 +24,7 @@ def tiny_model(prediction: str = "epsilon", seed: int = 0, with_vae: bool = Fals
 @torch.no_grad()
 def reference_latents(model: ClassConditionalModel, sampler: str, prompt: str, steps: int, guidance: float,
                       seed: int, height: int | None = None, width: int | None = None) -> torch.Tensor:
-    """DESIGN.md section 3, literally: one request, one diffusers scheduler. Returns C×H×W."""
+    """The reference loop, literally: one request, one diffusers scheduler. Returns C×H×W."""
     size = model.native_size
     shape = (1, *model.latent_shape(height or size, width or size))
     sched = make_scheduler(sampler, model.scheduler_config)

@@ -48,7 +48,7 @@ SD_SCHEDULERS = {
     "dpmpp_2m": "DPMSolverMultistepScheduler",
 }
 
-# --- the class-conditional layout (formerly tests/reference.py's tiny_model) ---
+# --- the class-conditional layout (engine.testing.reference.tiny_model builds it) ---
 
 #: The class-conditional tiny model's conditions, in class-index order, the null condition last.
 TEST_CONDITIONS = ["a red circle", "a green square", "a blue triangle", ""]

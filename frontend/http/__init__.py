@@ -1,10 +1,10 @@
-"""The OpenAI-compatible images API (R16): `python -m frontend http --engine ADDR`.
+"""The OpenAI-compatible images API: `python -m frontend http --engine ADDR`.
 
 `app.py` the routes, `schemas.py` the bodies, `errors.py` OpenAI's error shapes,
 `link.py` the engine connections (one per caller), `callers.py` API keys, rate
-limits and the body limit, `metrics.py` the gateway's Prometheus metrics, `server.py`
-the CLI (uvicorn). Imported lazily: `python -m frontend generate` does not pay for
-FastAPI."""
+limits and the body limit, `metrics.py` the gateway's Prometheus metrics, `options.py`
+the gateway's options and their flags, `server.py` the CLI (uvicorn). Imported lazily:
+`python -m frontend generate` does not pay for FastAPI."""
 
 __all__ = ["create_app", "EngineLink"]
 

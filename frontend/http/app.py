@@ -8,8 +8,8 @@
     GET  /health                  200 when the engine answers, 503 when it does not or drains
     GET  /metrics                 the gateway's own Prometheus metrics
 
-`create_app(link, api_keys=..., max_body_bytes=..., max_upload_bytes=..., rate_limit=...)` builds it around
-an `EngineLink`; `python -m frontend http` serves it with uvicorn, and
+`create_app(link, GatewayLimits(api_keys=..., max_body_bytes=..., rate_limit=...))` builds it
+around an `EngineLink`; `python -m frontend http` serves it with uvicorn, and
 `frontend.ray_app` serves the same app from Ray Serve replicas. `callers.py` fences
 callers from each other (API keys, rate buckets, the body limit); each caller's
 images are generated on its own engine connection (`EngineLink.lease`). The statuses
@@ -33,7 +33,7 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Awaitable, Iterable
+from typing import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,13 +44,11 @@ from starlette.responses import Response
 from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected, frame_field_descriptions
 from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
-from frontend.http.callers import (
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES, EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter,
-    caller_of, read_body,
-)
+from frontend.http.callers import EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body
 from frontend.http.errors import APIError, bad_request, engine_unavailable, from_rejected
 from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
+from frontend.http.options import GatewayLimits
 from frontend.http.schemas import (
     ErrorResponse, Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList,
     check_fits, completed_event, images_response, models_response, openapi_components, parse_edit,
@@ -261,18 +259,17 @@ def _ok(description: str, content: dict) -> dict:
     return {200: {"description": description, "content": content}}
 
 
-def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[str] = (),
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rate_limit: float = 0.0,
-               rate_burst: float | None = None, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
-    """The gateway around `link`. With `own_link` the app's lifespan starts connecting it
-    (in the background) and closes it at shutdown; a Ray
-    replica that owns its engine passes its own link and own_link=False. `api_keys`:
-    bearer keys, each its own caller (none: every /v1 route is open and each client
-    address is a caller); `max_body_bytes`: the largest request body (`max_upload_bytes`
-    for the edits form, which carries the image and mask); `rate_limit`:
-    requests per second per caller (0: no limit), `rate_burst` banked (default: one
-    second's worth, at least 1)."""
-    api_keys = tuple(api_keys)
+def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_link: bool = True) -> FastAPI:
+    """The gateway around `link`, enforcing `limits` (default: GatewayLimits' defaults).
+    With `own_link` the app's lifespan starts connecting it (in the background) and
+    closes it at shutdown; a Ray replica that owns its engine passes its own link and
+    own_link=False. `limits.api_keys`: bearer keys, each its own caller (none: every /v1
+    route is open and each client address is a caller); `max_body_bytes`: the largest
+    request body (`max_upload_bytes` for the edits form, which carries the image and
+    mask); `rate_limit`: requests per second per caller (0: no limit), `rate_burst`
+    banked (default: one second's worth, at least 1)."""
+    limits = limits or GatewayLimits()
+    api_keys = tuple(limits.api_keys)
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
@@ -291,8 +288,8 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
                   openapi_url=None)
     app.state.link, app.state.metrics = link, metrics
     # the gate runs inside the metrics middleware, so that its 401/413/429 are counted
-    app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(rate_limit, rate_burst),
-                       max_body_bytes=max_body_bytes, path_limits={EDITS_PATH: max_upload_bytes})
+    app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(limits.rate_limit, limits.rate_burst),
+                       max_body_bytes=limits.max_body_bytes, path_limits={EDITS_PATH: limits.max_upload_bytes})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def openapi() -> dict:
@@ -355,14 +352,14 @@ def create_app(link: EngineLink, *, own_link: bool = True, api_keys: Iterable[st
     @app.post("/v1/images/generations", openapi_extra=body_doc,
               responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def generations(request: Request) -> Response:
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
         return await serve(request, parse_generation(body, link.models))
 
     @app.post(EDITS_PATH, openapi_extra=edit_doc,
               responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def edits(request: Request) -> Response:
-        body = await read_body(request, max_upload_bytes)
+        body = await read_body(request, limits.max_upload_bytes)
         await link.client()
         return await serve(request, parse_edit(request.headers.get("content-type", ""), body, link.models,
                                                link.welcome.max_input_bytes))

@@ -1,4 +1,4 @@
-"""Who is calling the gateway, and how much each caller may ask (R22).
+"""Who is calling the gateway, and how much each caller may ask.
 
 * API keys (`--api-key`, repeatable, or DIFFSLOT_API_KEYS, comma-separated): every
   `/v1` route wants `Authorization: Bearer KEY`, else 401 in OpenAI's error shape.
@@ -32,14 +32,10 @@ from typing import Callable, Iterable
 
 from starlette.requests import ClientDisconnect, Request
 
-from engine.protocol import FRAME_FIELDS, MAX_INPUT_BYTES
 from frontend.http.errors import APIError, bad_request
 
 API_KEYS_ENV = "DIFFSLOT_API_KEYS"
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # JSON bodies: a prompt is at most the engine's 64 KiB message anyway
 EDITS_PATH = "/v1/images/edits"
-# the edits form: every frame field at the engine's default size limit, and 1 MiB of text
-DEFAULT_MAX_UPLOAD_BYTES = len(FRAME_FIELDS) * MAX_INPUT_BYTES + (1 << 20)
 CALLER_SCOPE_KEY = "diffslot.caller"  # where CallerGate leaves the caller id in the ASGI scope
 PROTECTED_PREFIX = "/v1"
 RATE_BUCKETS = 10_000  # caller buckets remembered; full ones (equal to a fresh bucket) are forgotten first
@@ -192,6 +188,5 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["API_KEYS_ENV", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_UPLOAD_BYTES", "EDITS_PATH", "CallerGate",
-           "ClientDisconnect", "KeyRing", "RateLimiter",
-           "api_keys", "caller_of", "read_body"]
+__all__ = ["API_KEYS_ENV", "EDITS_PATH", "CallerGate", "ClientDisconnect", "KeyRing", "RateLimiter", "api_keys",
+           "caller_of", "read_body"]

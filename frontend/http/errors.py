@@ -19,7 +19,7 @@ import math
 
 from starlette.responses import Response
 
-from engine.protocol import Failed, Rejected
+from engine.protocol import Rejected
 
 #: the engine's `Rejected.field` → the OpenAI request's parameter it came from
 ENGINE_FIELD_TO_PARAM = {"height": "size", "width": "size", "output": "output_format",
@@ -68,7 +68,3 @@ def from_rejected(result: Rejected) -> APIError:
     param = ENGINE_FIELD_TO_PARAM.get(result.field, result.field) if result.field else None
     message = result.reason if not param or result.reason.startswith(param) else f"{param}: {result.reason}"
     return bad_request(message, param)
-
-
-def from_failed(result: Failed) -> APIError:
-    return APIError(500, f"generation failed: {result.error}", type="server_error", code="generation_failed")

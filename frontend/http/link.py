@@ -13,7 +13,7 @@ and the budgets) and watches for a drain. Images are generated on the caller's o
 connection (`lease(caller)`): the engine fences its clients from each other — an
 output budget each (`Welcome.output_budget_bytes`), a fair share of the engine-wide
 backlog, `--max-queue-per-client` — so one connection per caller gives every caller
-those shares, where one shared connection made all HTTP callers compete for one
+those shares, where one shared connection would make all HTTP callers compete for one
 budget. At most `max_callers` caller connections are held; one without requests for
 `caller_idle_s` is closed (a returning caller reconnects in a few milliseconds), and
 when all are busy a new caller gets 429 until one frees.
@@ -35,6 +35,7 @@ from engine.protocol import Rejected, Welcome
 from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
 from frontend.http.errors import APIError, engine_unavailable
+from frontend.http.options import LinkOptions
 
 log = logging.getLogger("diffslot.http")
 
@@ -75,8 +76,9 @@ class CallerLease:
 
 
 class EngineLink:
-    def __init__(self, address: str | None, *, connect_timeout_s: float = 10.0, retry_interval_s: float = 0.5,
-                 model_name: str | None = None, client_kwargs: dict | None = None, max_callers: int = 64,
+    def __init__(self, address: str | None, *, connect_timeout_s: float = LinkOptions.connect_timeout_s,
+                 retry_interval_s: float = 0.5, model_name: str | None = LinkOptions.model_name,
+                 client_kwargs: dict | None = None, max_callers: int = LinkOptions.max_callers,
                  caller_idle_s: float = 60.0, drain_poll_s: float = 1.0, drain_poll_timeout_s: float = 0.5):
         self.address = address
         self.connect_timeout_s = connect_timeout_s  # one handshake attempt
