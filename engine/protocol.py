@@ -89,8 +89,11 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     loras: dict[str, float] = {}  # adapter name → scale (`--lora-dir`)
     # image inputs (img2img, inpainting). Every bytes field travels as its own frame beside
     # Submit, never inside the message; its description is what the HTTP upload form shows
-    image: Annotated[bytes, msgspec.Meta(description="PNG, JPEG or WebP")] | None = None
-    mask: Annotated[bytes, msgspec.Meta(description="The image's size; white = repaint")] | None = None
+    image: Annotated[bytes, msgspec.Meta(description=(
+        "img2img, inpainting: the image to start from, PNG, JPEG or WebP (its size is the output's "
+        "unless height and width are given)"))] | None = None
+    mask: Annotated[bytes, msgspec.Meta(description=(
+        "inpainting: PNG, JPEG or WebP of the image's size, white = repaint"))] | None = None
     strength: float | None = None  # 0 < s ≤ 1; None: the model's image pipeline's own default
 
 

@@ -17,7 +17,7 @@ import signal
 import sys
 
 from engine.flags import add_config_arguments, cli, config_from_args, flag
-from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams
+from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams, frame_field_descriptions
 
 # GenerateParams is the protocol's, which knows nothing of command lines: its flags are named here
 PARAM_FLAGS = {
@@ -44,11 +44,6 @@ class GenerateOptions:
     """`generate`'s flags beside the request's parameters: its input files, adapters, output file."""
 
     out: str = dataclasses.field(metadata=cli("-o", "--out", help="file to write"))
-    image: str | None = dataclasses.field(default=None, metadata=cli(
-        "--image", metavar="FILE",
-        help="img2img: start from this PNG, JPEG or WebP image (its size, unless --height/--width)"))
-    mask: str | None = dataclasses.field(default=None, metadata=cli(
-        "--mask", metavar="FILE", help="inpainting: the image's size, white = repaint"))
     lora: list[str] = dataclasses.field(default_factory=list, metadata=cli(
         "--lora", metavar="NAME=SCALE",
         help="a LoRA adapter of the engine's --lora-dir at a scale (repeat for several)"))
@@ -70,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one image")
     add_config_arguments(gen, GenerateParams, specs=PARAM_FLAGS, defaults=PARAM_DEFAULTS)
     add_config_arguments(gen, GenerateOptions)
+    for field, description in frame_field_descriptions().items():  # every bytes field of GenerateParams, from a file
+        gen.add_argument(f"--{field.replace('_', '-')}", dest=f"file_{field}", metavar="FILE", default=None,
+                         help=f"{description} (a file)")
     add_config_arguments(gen, EngineOptions)
     stats = sub.add_parser("stats", help="print the engine's counters as JSON")
     add_config_arguments(stats, EngineOptions, only={"address"})
@@ -88,7 +86,7 @@ def generate(args: argparse.Namespace) -> int:
     options = config_from_args(GenerateOptions, args)
     engine = config_from_args(EngineOptions, args)
     try:
-        inputs = _inputs(options, args.strength)
+        inputs = _inputs(options, args)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -145,16 +143,11 @@ def generate(args: argparse.Namespace) -> int:
     return 1
 
 
-def _inputs(options: GenerateOptions, strength: float | None) -> dict:
-    """The request's image inputs and adapters, from the files and NAME=SCALE pairs the
-    flags give (only those given)."""
-    inputs = {}
-    if options.image is not None:
-        inputs["image"] = pathlib.Path(options.image).read_bytes()
-    elif options.mask is not None or strength is not None:
-        raise ValueError("--mask and --strength need --image")
-    if options.mask is not None:
-        inputs["mask"] = pathlib.Path(options.mask).read_bytes()
+def _inputs(options: GenerateOptions, args: argparse.Namespace) -> dict:
+    """The request's byte inputs and adapters, from the files and NAME=SCALE pairs the
+    flags give (only those given; the engine names a field it cannot take)."""
+    inputs = {field: pathlib.Path(getattr(args, f"file_{field}")).read_bytes()
+              for field in frame_field_descriptions() if getattr(args, f"file_{field}") is not None}
     loras = {}
     for item in options.lora:
         name, sep, scale = item.rpartition("=")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.protocol import MAX_INPUT_BYTES
+
 LAYOUTS = ("compact", "padded", "bucketed")
 ADMISSIONS = ("continuous", "static")
 POLICIES = ("fifo", "srpt")
@@ -34,7 +36,7 @@ class CoreConfig:
     max_schedules: int = 1024  # cached schedules (sampler, steps, size options)
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
     fence_wait_s: float = 0.002  # longest sleep on a fence when nothing else can run (input latency bound)
-    max_input_bytes: int = 16 << 20  # each image input (`image`, `mask`) at most this many encoded bytes
+    max_input_bytes: int = MAX_INPUT_BYTES  # each byte input (an image, a mask) at most this many bytes
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

@@ -1,6 +1,6 @@
 """The fused per-slot update: every active slot's solver step in one launch, in place.
 
-For active entry j (see `engine.solvers` for the coefficient columns):
+For active entry j (see `engine.core.solvers` for the coefficient columns):
 
     slot, rc, ru, rn = index[j]                # slot, cond row, uncond row (-1: none), noise row (-1: none)
     out = M[rc]            if ru < 0

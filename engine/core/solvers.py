@@ -4,7 +4,7 @@ diffusers' schedulers keep one step index and one multistep history for a whole 
 so a batch of independent trajectories cannot share a scheduler object. Here every
 request builds its own diffusers scheduler once, at admission (`set_timesteps`), and
 keeps only the arrays (timesteps, sigmas, alphas). Each step then reduces to per-slot
-coefficients of one update that the fused kernel (`engine.kernels`) applies in place:
+coefficients of one update that the fused kernel (`engine.core.kernels`) applies in place:
 
     out  = u + g * (c - u)              guidance combine of the two branch rows (c only when g == 1)
     x0u  = p * x + q * out               conversion to the data prediction

@@ -9,9 +9,9 @@ tests all use this one structure.
 Two kinds of per-row input:
 
 * prompt rows (`hidden`, `pooled`): per prompt, shared through the embedding cache;
-* request inputs (`time_ids`, `guidance`, `timestep_cond`, `lora_index`, `lora_scale`,
-  `image_latents`): per request and branch, built once at admission by the model's
-  `request_inputs` and held by the slot; they never go through the embedding cache.
+* request inputs (`time_ids`, `guidance`, `timestep_cond`, `lora_index`, `lora_scale`):
+  per request and branch, prepared at admission (the model's `request_inputs`, the input
+  kinds' rows) and held by the slot; they never go through the embedding cache.
 
 Which model takes which (a field a model does not take stays None):
 
@@ -24,17 +24,12 @@ Which model takes which (a field a model does not take stays None):
 | guidance | | | | dev (embedded) | |
 | timestep_cond | LCM UNets | LCM UNets | | | |
 | lora_index, lora_scale | adapters | adapters | adapters | adapters | |
-| image_latents | 9-ch. inpaint | 9-ch. inpaint | | | |
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-
-#: Request-input fields: per request and branch, held by the slot, gathered per row.
-REQUEST_FIELDS = ("time_ids", "guidance", "timestep_cond", "lora_index", "lora_scale", "image_latents")
-
 
 @dataclasses.dataclass
 class ModelInputs:
@@ -49,7 +44,6 @@ class ModelInputs:
     timestep_cond: torch.Tensor | None = None  # rows × time_cond_proj_dim: LCM's guidance embedding
     lora_index: torch.Tensor | None = None  # rows × K int32: adapter slots in the pool, -1 none
     lora_scale: torch.Tensor | None = None  # rows × K float32: each adapter's scale
-    image_latents: torch.Tensor | None = None  # rows × C' × h × w: extra input channels (inpainting)
 
     def named(self) -> dict[str, torch.Tensor]:
         """The fields that are present, by name, in declaration order (a graph's buffers)."""

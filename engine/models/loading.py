@@ -197,7 +197,7 @@ class DiffusionModel:
         return ()
 
     def request_inputs(self, params, height: int, width: int) -> dict[str, torch.Tensor]:
-        """Per-request inputs (`engine.models.inputs.REQUEST_FIELDS`), each 2 × field shape:
+        """Per-request inputs (`ModelInputs`' request-input fields), each 2 × field shape:
         the conditional branch's row, then the unconditional one's. Held by the slot."""
         return {}
 
@@ -397,7 +397,7 @@ class ClassConditionalModel(DiffusionModel):
         return None
 
     def cfg_scale(self, params) -> float | None:
-        """DESIGN.md section 3's class-conditional loop: one row only at guidance 1."""
+        """The class-conditional reference loop's rule: one row only at guidance 1."""
         return None if params.guidance == 1.0 else float(params.guidance)
 
     def condition_index(self, prompt: str) -> int:
