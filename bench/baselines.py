@@ -41,7 +41,7 @@ import torch
 
 from engine.core.config import CoreConfig
 from engine.core.interface import ModelInfo
-from engine.core.ledger import reservation_for
+from engine.core.scheduling.ledger import reservation_for
 from engine.core.validation import checked_size
 from engine.core.outputs import DenoiseFinished, RequestCanceled, RequestFailed, RequestRejected, StepProgress
 from engine.core.solvers import make_scheduler

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from engine.core.config import CoreConfig
-from engine.core.ledger import Ledger, Reservation
+from engine.core.scheduling.ledger import Ledger, Reservation
 from engine.core.outputs import RequestCanceled, RequestFailed, RequestRejected
-from engine.core.plan import StepOutcome, StepPlan
-from engine.core.requests import Ending, Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.slot_map import SlotMap
+from engine.core.scheduling.plan import StepOutcome, StepPlan
+from engine.core.scheduling.requests import Ending, Request, RequestStatus
+from engine.core.scheduling.scheduler import Scheduler
+from engine.core.scheduling.slot_map import SlotMap
 from engine.protocol import GenerateParams
 
 SHAPE = (4, 8, 8)
@@ -94,7 +94,7 @@ def finish_step(scheduler: Scheduler, group: SlotMap) -> list:
 
 
 def test_the_scheduler_imports_no_torch():
-    code = ("import sys; import engine.core.scheduler, engine.core.slot_map, engine.core.requests; "
+    code = ("import sys; import engine.core.scheduling.scheduler, engine.core.scheduling.slot_map, engine.core.scheduling.requests; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -25,7 +25,7 @@ class CoreConfig:
     device: str = "cpu"
     embedding_cache_entries: int = 1024  # prompts whose encoder rows are kept for reuse
     embedding_cache_bytes: int = 256 << 20  # and at most this many bytes of them
-    # admission order: srpt (least remaining evaluations first, aged: see engine.core.scheduler;
+    # admission order: srpt (least remaining evaluations first, aged: see engine.core.scheduling.scheduler;
     # measured in bench/RESULTS.md), or fifo
     policy: str = "srpt"
     max_groups: int = 8  # live slot groups (one per latent shape); idle ones are evicted beyond it

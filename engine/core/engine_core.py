@@ -1,6 +1,6 @@
 """EngineCore: the pure, in-process heart of the engine (no sockets, no threads).
 
-A short conductor over parts that pass data (`engine.core.plan`):
+A short conductor over parts that pass data (`engine.core.scheduling.plan`):
 
 - the scheduler (`scheduler.py`, torch-free) decides what runs: the queue, admission
   against the ledger, groups and their slot maps, fairness, every request's state; it
@@ -33,14 +33,14 @@ from engine.core.fences import fences_for
 from engine.core.input_kinds import input_kinds_for
 from engine.core.intake import Intake
 from engine.core.interface import ModelInfo
-from engine.core.ledger import Ledger, reservation_for
+from engine.core.scheduling.ledger import Ledger, reservation_for
 from engine.core.outputs import RequestRejected
-from engine.core.plan import StepPlan
+from engine.core.scheduling.plan import StepPlan
 from engine.core.preparation import Preparation
 from engine.core.reaper import Reaper
-from engine.core.requests import Request
+from engine.core.scheduling.requests import Request
 from engine.core.runner import Runner
-from engine.core.scheduler import Scheduler
+from engine.core.scheduling.scheduler import Scheduler
 from engine.core.storage import Launch, Report
 from engine.models.loading import DiffusionModel, model_inputs
 from engine.protocol import MAX_PARTIAL_IMAGES, OUTPUT_KINDS, GenerateParams

@@ -7,9 +7,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from engine.core.ledger import reservation_for
+from engine.core.scheduling.ledger import reservation_for
 from engine.core.outputs import RequestRejected
-from engine.core.requests import Request
+from engine.core.scheduling.requests import Request
 from engine.core.solvers import G, Schedule, Trajectory, UnsupportedSampler, build_schedule
 from engine.core.validation import checked_size
 from engine.protocol import GenerateParams

@@ -16,7 +16,7 @@ import logging
 
 import msgspec
 
-from engine.core.requests import Request
+from engine.core.scheduling.requests import Request
 from engine.protocol import FRAME_FIELDS
 
 log = logging.getLogger("diffslot.core")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from engine.core.outputs import DenoiseFinished, PreviewReady, StepProgress
-from engine.core.requests import Request
+from engine.core.scheduling.requests import Request
 from engine.core.storage import HostCopy, Launch
 
 log = logging.getLogger("diffslot.core")

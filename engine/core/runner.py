@@ -19,7 +19,7 @@ import torch
 from engine.core.device import PinnedBuffers, StepTimer
 from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
 from engine.core.kernels import update_slots
-from engine.core.plan import AdmissionPlan, StepOutcome, StepPlan
+from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
 from engine.core.storage import Batch, SlotStorage
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs

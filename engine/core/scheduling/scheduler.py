@@ -1,7 +1,7 @@
 """The scheduler: what runs (torch-free, testable with no model).
 
 It owns the queue in front of admission, the ledger, the groups' slot maps and every
-request's state, and it talks to the runner only in data (`engine.core.plan`): at a step
+request's state, and it talks to the runner only in data (`engine.core.scheduling.plan`): at a step
 boundary `admit` places queued requests into free slots of their group when everything
 they will hold fits, and returns an `AdmissionPlan` (placements, new and evicted groups,
 slots freed since the last plan); `next_step` returns the `StepPlan` of the group whose
@@ -35,11 +35,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from engine.core.ledger import Ledger
+from engine.core.scheduling.ledger import Ledger
 from engine.core.outputs import RequestCanceled, RequestFailed, RequestRejected
-from engine.core.plan import AdmissionPlan, StepOutcome, StepPlan
-from engine.core.requests import Ending, Request, RequestStatus
-from engine.core.slot_map import SlotMap
+from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
+from engine.core.scheduling.requests import Ending, Request, RequestStatus
+from engine.core.scheduling.slot_map import SlotMap
 
 log = logging.getLogger("diffslot.core")
 

@@ -36,7 +36,7 @@ class Request:
     latent_shape: tuple[int, int, int]
     cfg_scale: float | None  # classifier-free guidance: two rows a step (cond, uncond); None: one row
     arrival: float
-    reservation: Any  # engine.core.ledger.Reservation
+    reservation: Any  # engine.core.scheduling.ledger.Reservation
     group_key: tuple = ()  # what must agree for requests to share a denoiser call
     trajectory: Any = None  # engine.core.solvers.Trajectory: schedule and random stream
     # each input kind's checked value (kind name → value), until its preparation at admission
