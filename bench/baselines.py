@@ -168,6 +168,9 @@ class PipelineBatchCore:
         return ModelInfo(name=self.model.name, native_size=self.model.native_size,
                          prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class)
 
+    def adapter_names(self) -> list[str]:
+        return []
+
     def stats(self) -> dict:
         c = self.counters
         rows = c["useful_evals"] + c["padded_evals"]

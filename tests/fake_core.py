@@ -190,6 +190,9 @@ class FakeCore:
         return ModelInfo(name=self.model.path, native_size=self.model.native_size, prompts=self.model.prompts,
                          pipeline="fake")
 
+    def adapter_names(self) -> list[str]:
+        return []
+
     def stats(self) -> dict:
         return {  # the real core's keys, and `decoding`
             "slots": self.config.slots,

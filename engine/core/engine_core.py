@@ -209,6 +209,9 @@ class EngineCore:
         return ModelInfo(name=self.model.name, native_size=self.geometry.native_size,
                          prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class)
 
+    def adapter_names(self) -> list[str]:
+        return [] if self.adapters is None else list(self.adapters.names())
+
     def decode_done(self, request_id: str) -> bool:
         """The decode stage finished (or dropped) the request: return its decode buffer and
         output bytes. True: deliver the output; False: it was canceled meanwhile."""

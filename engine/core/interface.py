@@ -54,5 +54,8 @@ class CoreInterface(Protocol):
     def model_info(self) -> ModelInfo:
         """The served model, as clients see it."""
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served now (a folder rescanned on each call); [] without any."""
+
     def stats(self) -> dict:
         """Counters and gauges for the metrics."""

@@ -484,12 +484,9 @@ class EngineCoreProc:
                 for k, v in stats.items()}
 
     def _adapter_names(self) -> list[str]:
-        """The LoRA adapters the core serves now (its `adapters` pool rescans its folder)."""
-        pool = getattr(self.core, "adapters", None)
-        if pool is None:
-            return []
+        """The LoRA adapters the core serves now (its pool rescans its folder)."""
         try:
-            return list(pool.names())
+            return self.core.adapter_names()
         except Exception:
             log.exception("listing the adapters failed")
             return []
