@@ -85,10 +85,13 @@ def fake_engine(*args: str, ready_timeout: float = 60.0, faults: dict | None = N
 
 @contextlib.contextmanager
 def real_engine(*args: str, ready_timeout: float = 180.0, faults: dict | None = None, new_session: bool = False,
-                stop_timeout: float = 20.0):
+                stop_timeout: float = 20.0, extra_env: dict | None = None):
+    """`python -m engine serve --device cpu *args` on a fresh ipc socket (`extra_env`: more
+    environment); stopped (SIGTERM, then SIGKILL) and reaped after."""
     with socket_dir() as directory:
         engine = start_engine(f"ipc://{directory / 'engine.sock'}", directory / "engine.log",
-                              ["--device", "cpu", *args], fake=False, faults=faults, new_session=new_session)
+                              ["--device", "cpu", *args], fake=False, faults=faults, new_session=new_session,
+                              extra_env=extra_env)
         try:
             engine.wait_ready(ready_timeout)
             yield engine

@@ -5,9 +5,10 @@ results against DESIGN.md section 3's reference loop (`reference_latents`, relat
 ≤ 1e-5, output="latent"), plus the slot map, cancellation, fences and epochs, evaluation
 accounting, admission and fairness (R1, R2, R4, R5, R6, R8, R9).
 
-Free slot storage is filled with NaN before every step (`Driver(poison=True)`): a new
-occupant that inherited anything of an earlier one (latents, multistep history, solver
-tables past its own steps) would come out NaN. Results are compared only at the end of a
+Free slot storage is filled with NaN before every step (`Driver(poison=True)`: the suite's
+`core_driver.CoreDriver` with a poisoning hook): a new occupant that inherited anything of
+an earlier one (latents, multistep history, solver tables past its own steps) would come
+out NaN. Results are compared only at the end of a
 run, after the slots they came from have been poisoned again, so a result that aliased
 slot storage would fail too.
 """
@@ -27,6 +28,8 @@ from engine.core import (
 from engine.core.config import ADMISSIONS, LAYOUTS
 from engine.core.fences import DeferredFences
 from engine.protocol import GenerateParams
+
+from core_driver import CoreDriver
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -93,58 +96,13 @@ def assert_drained(core: EngineCore) -> None:
         assert not g.busy.any() and not g.runnable.any() and all(r is None for r in g.requests)
 
 
-class Driver:
-    """Calls step() and sorts the outputs by request. DenoiseFinished is acknowledged with
-    decode_done at once unless `auto_decode` is False; deferred fences are released
-    before each step when `release` is set."""
-
-    def __init__(self, core: EngineCore, poison: bool = True, auto_decode: bool = True, release: bool = False):
-        self.core, self.poison, self.auto_decode, self.release = core, poison, auto_decode, release
-        self.finished: dict[str, DenoiseFinished] = {}
-        self.canceled: dict[str, RequestCanceled] = {}
-        self.progress: dict[str, list[int]] = collections.defaultdict(list)
-        self.served: list[set[str]] = []  # requests with a StepProgress, per step() call
-        self.calls = 0
-
-    def step(self) -> list:
-        if self.poison:
-            poison_free_slots(self.core)
-        if self.release:
-            self.core.fences.release_all()
-        outputs = self.core.step()
-        self.calls += 1
-        served = set()
-        for o in outputs:
-            rid = o.request_id
-            if isinstance(o, StepProgress):
-                assert rid not in self.canceled and rid not in self.finished
-                self.progress[rid].append(o.step)
-                served.add(rid)
-            elif isinstance(o, DenoiseFinished):
-                assert rid not in self.finished and rid not in self.canceled, f"{rid} ended twice"
-                self.finished[rid] = o
-                if self.auto_decode:
-                    assert self.core.decode_done(rid) is True
-            elif isinstance(o, RequestCanceled):
-                assert rid not in self.canceled, f"{rid} canceled twice"
-                self.canceled[rid] = o
-            elif isinstance(o, RequestFailed):
-                raise AssertionError(f"{rid} failed: {o.error}")
-            else:
-                raise AssertionError(f"unexpected output {o!r}")
-        self.served.append(served)
-        return outputs
-
-    def run(self, arrivals: dict | None = None, cancels: dict | None = None, limit: int = 2000) -> None:
-        """`arrivals[k]`: (id, params) added, `cancels[k]`: ids canceled before step() call k."""
-        arrivals, cancels = arrivals or {}, cancels or {}
-        last = max([*arrivals, *cancels], default=-1)
-        while self.calls <= last or self.core.has_unfinished_requests():
-            for rid, p in arrivals.get(self.calls, ()):
-                self.core.add_request(rid, p)
-            self.core.abort_requests(cancels.get(self.calls, ()))
-            self.step()
-            assert self.calls < limit, "engine made no progress"
+def Driver(core: EngineCore, poison: bool = True, auto_decode: bool = True, release: bool = False) -> CoreDriver:
+    """The suite's core driver as these tests use it: free slots poisoned before every step
+    (when `poison`), DenoiseFinished acknowledged with decode_done at once unless
+    `auto_decode` is False, deferred fences released before each step when `release` is
+    set; a failed request or an output these tests never ask for (a preview) fails."""
+    return CoreDriver(core, auto_decode=auto_decode, keep=None, release=release, fail_on_error=True, previews=False,
+                      before_step=(lambda d: poison_free_slots(d.core)) if poison else None)
 
 
 # ---------------------------------------------------------------------- correctness in a mixed batch
@@ -163,7 +121,7 @@ MIXED = {  # step() call at which each arrives
 def run_mixed_against_reference(model, core: EngineCore) -> "Driver":
     """Drive MIXED through `core`; every request must finish equal to the reference."""
     d = Driver(core)
-    d.run(MIXED)
+    d.run(arrivals=MIXED)
     params = {rid: p for batch in MIXED.values() for rid, p in batch}
     assert set(d.finished) == set(params)
     for rid, p in params.items():
@@ -177,7 +135,7 @@ def test_mixed_group_equals_reference(model, layout, admission):
     # the schedule below is FIFO's (SRPT's own order is tested in test_scheduler.py)
     core = EngineCore(model, CoreConfig(slots=3, layout=layout, admission=admission, policy="fifo"))
     d = Driver(core)
-    d.run(MIXED)
+    d.run(arrivals=MIXED)
     params = {rid: p for batch in MIXED.values() for rid, p in batch}
     assert set(d.finished) == set(params) and not d.canceled
     poison_free_slots(core)  # results are copies, not views of slot storage
@@ -225,7 +183,7 @@ def test_prediction_types_mixed(prediction, samplers):
         params[sampler] = p
         arrivals[i].append((sampler, p))
     d = Driver(core)
-    d.run(arrivals)
+    d.run(arrivals=arrivals)
     for rid, p in params.items():
         assert_reference(m, d.finished[rid], p)
     assert_drained(core)
@@ -305,10 +263,8 @@ def test_cancel_while_decoding(model):
     assert core.decode_done("a") is False  # and only once
     assert core.stats()["reserved_decode_buffers"] == 1  # b's
     core.abort_requests(["a"])  # finished and gone: nothing
-    while core.has_unfinished_requests():
-        d.step()
-        if "b" in d.finished and "b" in core.requests:
-            assert core.decode_done("b") is True
+    d.auto_decode = True  # b is acknowledged as it finishes
+    d.run()
     assert "a" in d.canceled and "b" not in d.canceled
     assert_reference(model, d.finished["b"], b)
     assert core.stats()["canceled_evals"] == 6
@@ -483,7 +439,7 @@ def test_random_stream_isolation(model):
                            ("n5", P("", 6, "euler", 1.0, 9))]
             cancels = {6: ["n2"], 7: ["n5"]}
         d = Driver(core)
-        d.run(arrivals, cancels)
+        d.run(arrivals=arrivals, cancels=cancels)
         assert set(d.canceled) == ({"n2", "n5"} if neighbours else set())
         assert_drained(core)
         return d.finished["x"].latents
@@ -540,7 +496,7 @@ def test_evaluation_accounting(model, layout, admission):
     batches, useful, padded, per_request = ACCOUNTING[(layout, admission)]
     core = EngineCore(model, CoreConfig(slots=4, layout=layout, admission=admission))
     d = Driver(core)
-    d.run(ACCOUNTING_ARRIVALS)
+    d.run(arrivals=ACCOUNTING_ARRIVALS)
     s = core.stats()
     assert (s["batches"], s["useful_evals"], s["padded_evals"]) == (batches, useful, padded)
     assert s["useful_ratio"] == pytest.approx(useful / (useful + padded))
@@ -656,10 +612,8 @@ def test_decode_buffer_reservation_holds_admission(model):
     assert core.decode_done("a") is True
     d.step()
     assert core.requests["b"].slot >= 0 and d.progress["b"] == [1]
-    while core.has_unfinished_requests():
-        d.step()
-        if "b" in d.finished and "b" in core.requests:
-            assert core.decode_done("b") is True
+    d.auto_decode = True  # b is acknowledged as it finishes
+    d.run()
     assert_reference(model, d.finished["a"], a)
     assert_reference(model, d.finished["b"], b)
     assert_drained(core)
@@ -799,8 +753,7 @@ def test_graph_capture_failure_runs_that_size_eagerly(model):
     p = P("a green square", 4, "dpmpp_2m", 3.0, 5)
     core.add_request("r", p)
     d = Driver(core)
-    while core.has_unfinished_requests():
-        d.step()
+    d.run()
     assert_reference(model, d.finished["r"], p)
     assert len(core.graphed.failed) == 1 and not core.graphed.graphs and core.graphed.replays == 0
     assert EngineCore(model, CoreConfig(slots=2, layout="bucketed")).graphed is None  # CPU: no CUDA graphs

@@ -6,31 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestFailed
+from engine.core import CoreConfig, EngineCore
 from engine.protocol import GenerateParams
 from engine.testing.faults import FaultyModel
 from engine.testing.reference import reference_latents, rel_l2, tiny_model
+
+from core_driver import run_to_end
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]
 
 
 def drive(core: EngineCore, limit: int = 5000, watch=None) -> tuple[dict, dict]:
-    done, failed = {}, {}
-    for _ in range(limit):
-        if not core.has_unfinished_requests():
-            break
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                done[out.request_id] = out.latents.clone()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestFailed):
-                failed[out.request_id] = out.error
-            elif isinstance(out, RequestCanceled):
-                failed[out.request_id] = "canceled"
-        if watch is not None:
-            watch(core)
-    assert not core.has_unfinished_requests()
-    return done, failed
+    """Run `core` to the end: ({id: final latents}, {id: error, or "canceled"});
+    `watch(core)` after every step."""
+    d = run_to_end(core, keep="torch", limit=limit,
+                   after_step=None if watch is None else (lambda d, outputs: watch(d.core)))
+    return d.results, {**d.failed, **{rid: "canceled" for rid in d.canceled}}
 
 
 def test_many_distinct_sizes_keep_the_group_count_bounded_and_lose_nothing():

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestFailed
+from engine.core import CoreConfig, EngineCore
 from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.faults import FaultyModel, parse_spec
 from engine.testing.pipeline_oracle import pipeline_output
 from engine.testing.tiny_pipelines import build_sd
+
+from core_driver import run_to_end
 
 TOL = 1e-4  # shared batches (the denoiser is not batch-invariant)
 
@@ -37,22 +39,9 @@ GOOD = {
 
 
 def drive(core: EngineCore, params: dict) -> tuple[dict, dict, dict]:
-    for rid, p in params.items():
-        core.add_request(rid, p)
-    done, failed, canceled = {}, {}, {}
-    for _ in range(500):
-        if not core.has_unfinished_requests():
-            break
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                done[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestFailed):
-                failed[out.request_id] = out.error
-            elif isinstance(out, RequestCanceled):
-                canceled[out.request_id] = out
-    assert not core.has_unfinished_requests()
-    return done, failed, canceled
+    """Add `params` and run to the end: (final latents, errors, cancels) by request id."""
+    d = run_to_end(core, params, limit=500)
+    return d.results, d.failed, d.canceled
 
 
 def assert_equal_the_pipeline(folder, done: dict) -> None:

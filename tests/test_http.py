@@ -1,18 +1,16 @@
 """The OpenAI-compatible images API (R16), through the real `openai` package and httpx.
 
 Every gateway is `python -m frontend http` as a subprocess on 127.0.0.1 and a free
-port, in front of an engine subprocess (the real engine on a tiny SD folder where
-the model matters, the fake core elsewhere); all are stopped and reaped here.
+port (tests/http_helpers.py), in front of an engine subprocess (the real engine on a
+tiny SD folder where the model matters, the fake core elsewhere); all are stopped and
+reaped here.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import json
 import pathlib
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -22,73 +20,12 @@ import pytest
 
 from frontend import launcher
 from frontend import Client
-from tests.proc_helpers import REPO, env, fake_engine, real_engine, socket_dir, start_engine, wait_until
+from tests.http_helpers import gateway, png_size, serving
+from tests.output_contract import IMAGE_LEVELS, assert_images_close, image_difference
+from tests.proc_helpers import REPO, env, socket_dir, start_engine, wait_until
 
 openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Gateway:
-    def __init__(self, popen: subprocess.Popen, port: int, log_path: pathlib.Path):
-        self.popen, self.port, self.log_path = popen, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-
-    def openai(self, **kwargs):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
-@contextlib.contextmanager
-def gateway(engine_address: str, *args: str, ready: bool = True, timeout: float = 60.0):
-    """`python -m frontend http` on a free port; when `ready`, wait until /health is 200."""
-    with socket_dir() as directory:
-        port = free_port()
-        log_path = directory / "gateway.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "frontend", "http", "--engine", engine_address,
-                                      "--port", str(port), "--log-level", "warning", *args],
-                                     cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
-        gw = Gateway(popen, port, log_path)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if popen.poll() is not None:
-                    raise RuntimeError(f"gateway exited with {popen.returncode}:\n{gw.log()}")
-                try:
-                    status = httpx.get(gw.url + "/health", timeout=2).status_code
-                    if status == 200 or not ready:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gateway not ready within {timeout}s:\n{gw.log()}")
-                time.sleep(0.1)
-            yield gw
-        finally:
-            if popen.poll() is None:
-                popen.terminate()
-                try:
-                    popen.wait(15)
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-                    popen.wait()
-
-
-def png_size(b64: str) -> tuple[int, int]:
-    image = Image.open(io.BytesIO(base64.b64decode(b64)))
-    assert image.format == "PNG"
-    return image.size  # (width, height)
 
 
 # ----------------------------------------------------------------------------- real engine
@@ -104,9 +41,8 @@ def tiny_sd(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def real_stack(tiny_sd):
     """A real engine on the tiny SD folder (16×16 native) and a gateway in front of it."""
-    with real_engine("--model", str(tiny_sd), "--slots", "4", "--decode-workers", "1") as engine, \
-            gateway(engine.address) as gw:
-        yield engine, gw
+    with serving("--model", str(tiny_sd), "--slots", "4", "--decode-workers", "1") as stack:
+        yield stack
 
 
 @pytest.mark.timeout(300)
@@ -122,10 +58,12 @@ def test_images_generate_models_and_sizes(real_stack):
     assert [d.model_extra["seed"] for d in r.data] == [11, 12]
     assert r.data[0].b64_json != r.data[1].b64_json  # seeds 11 and 12
     assert r.model_extra["timings"][0]["evals"] == 6  # 3 steps × 2 guidance rows
-    # n>1 is n requests with seeds seed…seed+n−1: the second equals a request with seed 12
+    # n>1 is n requests with seeds seed…seed+n−1: the second equals a request with seed 12,
+    # within the contract's one level (alone, it ran in other batches than beside the first)
     alone = client.images.generate(prompt="a red circle",
                                    extra_body={"steps": 3, "sampler": "euler", "guidance": 2.5, "seed": 12})
-    assert alone.data[0].b64_json == r.data[1].b64_json
+    assert_images_close(alone.data[0].b64_json, r.data[1].b64_json)
+    assert image_difference(alone.data[0].b64_json, r.data[0].b64_json) > IMAGE_LEVELS  # and not the first
 
     r = client.images.generate(prompt="a blue square", size="24x32", extra_body={"steps": 2, "seed": 1})
     assert png_size(r.data[0].b64_json) == (24, 32) and r.size == "24x32"
@@ -179,7 +117,7 @@ def test_stream_partial_images_then_completed(real_stack):
         assert event.size == "auto" and event.output_format == "png"
     # the streamed image is the one a plain request returns
     plain = client.images.generate(prompt="a green triangle", extra_body={"steps": 6, "seed": 3})
-    assert events[-1].b64_json == plain.data[0].b64_json
+    assert events[-1].b64_json == plain.data[0].b64_json  # both alone: the same calls, the same bytes
     # partial_images=0: one completed event only
     events = list(client.images.generate(prompt="a green triangle", stream=True, partial_images=0,
                                          extra_body={"steps": 2}))
@@ -333,7 +271,7 @@ def test_gateway_starts_before_its_engine():
 
 @pytest.mark.timeout(120)
 def test_stream_errors_and_unknown_routes_in_openai_shape():
-    with fake_engine("--fail-prompt", "a red cross") as engine, gateway(engine.address) as gw:
+    with serving("--fail-prompt", "a red cross", fake=True) as (engine, gw):
         client = gw.openai()
         with pytest.raises(openai.InternalServerError) as info:  # fails before any event: a plain 500
             list(client.images.generate(prompt="a red cross", stream=True, extra_body={"steps": 2}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import os
@@ -27,7 +28,8 @@ import pytest
 from frontend import Client, EngineDeadError, GenerateParams
 from frontend.http import callers
 from frontend.http.callers import KeyRing, RateLimiter
-from tests.proc_helpers import REPO, client_process, env, fake_engine, read_line, socket_dir, wait_until
+from tests.http_helpers import gateway as http_gateway, serving
+from tests.proc_helpers import client_process, fake_engine, read_line, socket_dir, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -39,56 +41,8 @@ N10_256 = {"prompt": "a red circle", "n": 10, "size": "256x256", "steps": 50}  #
 
 # ----------------------------------------------------------------------------- helpers
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Gateway:
-    def __init__(self, popen: subprocess.Popen, port: int, log_path):
-        self.popen, self.port, self.log_path = popen, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-
-    def openai(self, key: str = "unused", **kwargs):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kwargs)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def gateway(engine_address: str, *args: str, extra_env: dict | None = None, timeout: float = 60.0):
-    """`python -m frontend http` on a free port, once /health is 200; stopped and reaped after."""
-    with socket_dir() as directory:
-        port, log_path = free_port(), directory / "gateway.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "frontend", "http", "--engine", engine_address,
-                                      "--port", str(port), "--log-level", "info", *args],
-                                     cwd=REPO, env={**env(), **(extra_env or {})}, stdout=log,
-                                     stderr=subprocess.STDOUT)
-        gw = Gateway(popen, port, log_path)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if popen.poll() is not None:
-                    raise RuntimeError(f"gateway exited with {popen.returncode}:\n{gw.log()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(gw.url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gateway not ready within {timeout}s:\n{gw.log()}")
-                time.sleep(0.1)
-            yield gw
-        finally:
-            if popen.poll() is None:
-                popen.terminate()
-                try:
-                    popen.wait(15)
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-                    popen.wait()
+# the gateway (tests/http_helpers.py) logs at info here: a test reads the request ids it logs
+gateway = functools.partial(http_gateway, log_level="info")
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +354,7 @@ def test_rate_limit_is_per_caller_with_retry_after(engine):
 
 @pytest.mark.timeout(120)
 def test_health_is_503_while_the_engine_drains():
-    with fake_engine("--step-delay", "0.02", "--drain-timeout", "3") as engine, gateway(engine.address) as gw:
+    with serving("--step-delay", "0.02", "--drain-timeout", "3", fake=True, log_level="info") as (engine, gw):
         assert httpx.get(gw.url + "/health").status_code == 200
         outcome = {}
 
@@ -434,7 +388,7 @@ def test_health_is_503_while_the_engine_drains():
 
 @pytest.mark.timeout(120)
 def test_a_failed_generation_is_500_without_the_engine_reason():
-    with fake_engine("--fail-prompt", "a red cross") as engine, gateway(engine.address) as gw:
+    with serving("--fail-prompt", "a red cross", fake=True, log_level="info") as (engine, gw):
         with pytest.raises(openai.InternalServerError) as info:
             gw.openai().images.generate(prompt="a red cross", extra_body={"steps": 2})
         error = info.value

@@ -8,10 +8,7 @@ kernel against its torch reference (Triton's interpreter); every validation erro
 its field. Input images are drawn with PIL, fresh per case from a seeded generator."""
 from __future__ import annotations
 
-import concurrent.futures
 import io
-import multiprocessing
-import os
 import random
 import time
 
@@ -20,15 +17,16 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
+from engine.core import CoreConfig, EngineCore, RequestCanceled, RequestRejected
 from engine.core import kernels as engine_kernels
 from engine.core.fences import DeferredFences
-from engine.core.outputs import RequestFailed
 from engine.core.solvers import build_schedule, make_scheduler
 from engine.models.loading import StableDiffusionModel, load_model
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import model_of, pipeline_output_of, rel_l2
 from engine.testing.tiny_pipelines import build_class_conditional, build_flux, build_sd, build_sd3, build_sdxl
+
+from core_driver import run_to_end
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,20 +87,6 @@ def encode_alone(core: EngineCore, p: GenerateParams) -> None:
             core.embeddings.get_many([text])
 
 
-def run(core: EngineCore, params: dict[str, GenerateParams]) -> dict:
-    for rid, p in params.items():
-        core.add_request(rid, p)
-    results = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestFailed):
-                results[out.request_id] = out
-    return results
-
-
 def image_request(rng: random.Random, name: str, sampler: str, masked: bool, *, strength, size=None, **fields):
     """A request with a fresh drawn image (and mask) of `size` (width, height; default 16×16).
     SD's and SDXL's img2img pipelines take the image's size; the others are given height
@@ -145,8 +129,9 @@ def test_request_alone_equals_the_image_pipeline(folders, name, sampler, masked)
         p = image_request(rng, name, sampler, masked, strength=strength, size=size)
         core = EngineCore(model, CoreConfig(slots=2))
         encode_alone(core, p)
-        got = run(core, {"r": p})["r"]
-        assert isinstance(got, DenoiseFinished), got
+        d = run_to_end(core, {"r": p})
+        assert "r" in d.finished, d.failed
+        got = d.finished["r"]
         want = pipeline_output_of(folder, p)
         assert got.latents.shape == want.shape == model.latent_shape(size[1], size[0])
         err = rel_l2(got.latents.numpy(), want)
@@ -167,7 +152,7 @@ def test_height_and_width_resize_the_image_as_the_pipeline(folders):
         p = GenerateParams(prompt="a red circle", steps=6, guidance=3.0, seed=rng.randrange(10_000), output="latent",
                            image=encoded(draw_image(rng, 24, 20), fmt), mask=encoded(draw_mask(rng, 24, 20)),
                            strength=0.7, height=12, width=16)
-        got = run(EngineCore(model_of(folder), CoreConfig(slots=2)), {"r": p})["r"]
+        got = run_to_end(EngineCore(model_of(folder), CoreConfig(slots=2)), {"r": p}).finished["r"]
         assert got.latents.shape == (4, 6, 8)
         assert rel_l2(got.latents.numpy(), pipeline_output_of(folder, p)) <= ALONE_TOL
 
@@ -198,9 +183,9 @@ def test_mixed_strengths_masks_and_text_requests_share_batches(folders, name):
     pending.insert(1, ("v0", victims["v0"]))
     pending.insert(5, ("v1", victims["v1"]))
     core = EngineCore(model, CoreConfig(slots=4, max_queue=32))
-    results, canceled, shared_with_images = {}, set(), 0
-    tick = 0
-    while pending or core.has_unfinished_requests():
+    seen = {"shared_with_images": 0}
+
+    def join_cancel_and_count(d):
         for _ in range(rng.choice((0, 1, 1, 2))):  # late joins
             if pending:
                 core.add_request(*pending.pop(0))
@@ -210,15 +195,10 @@ def test_mixed_strengths_masks_and_text_requests_share_batches(folders, name):
                 core.abort_requests([vid])
         running = [r for g in core.groups.values() for r in g.requests if r is not None and g.runnable[r.slot]]
         from_image = {r.trajectory.schedule.start_noising is not None for r in running}
-        shared_with_images += from_image == {True, False}
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.add(out.request_id)
-        tick += 1
-        assert tick < 2000
+        seen["shared_with_images"] += from_image == {True, False}
+
+    d = run_to_end(core, before_step=join_cancel_and_count, waiting=lambda: bool(pending), limit=2000)
+    results, canceled, shared_with_images = d.results, set(d.canceled), seen["shared_with_images"]
     assert canceled == set(victims) and set(results) == set(cases)
     assert shared_with_images > 5, "image and text requests did not share batches"
     for rid, p in cases.items():
@@ -274,7 +254,7 @@ def test_image_encode_phase_batches_per_size_and_fails_alone(folders):
 
     model.encode_image_moments = counting
     try:
-        results = run(EngineCore(model, CoreConfig(slots=4)), params)
+        results = run_to_end(EngineCore(model, CoreConfig(slots=4)), params).finished
     finally:
         del model.encode_image_moments
     assert sorted(calls) == [1, 1, 1, 2]  # a batch per size: (2 → raised → 1 + 1), 1
@@ -291,11 +271,11 @@ def test_image_encode_phase_batches_per_size_and_fails_alone(folders):
     model.preprocess_image = failing
     try:
         core = EngineCore(model, CoreConfig(slots=4))
-        results = run(core, params)
+        d = run_to_end(core, params)
     finally:
         del model.preprocess_image
-    assert isinstance(results["r2"], RequestFailed) and "bad pixels" in results["r2"].error
-    assert all(isinstance(results[r], DenoiseFinished) for r in ("r0", "r1"))
+    assert "bad pixels" in d.failed["r2"]
+    assert set(d.finished) == {"r0", "r1"}
     assert core.ledger.used.trajectory_bytes == 0 and not core.requests
 
 
@@ -315,7 +295,7 @@ def test_ledger_counts_image_inputs_and_releases_them(folders):
     core.admit()  # the encoded bytes are spent in the encode phase: given back; the latent rows stay
     assert core.ledger.used.trajectory_bytes == sum(sizes.values()) - len(img2img.image) - len(inpaint.image) \
         - len(inpaint.mask)
-    run(core, {})
+    run_to_end(core)
     assert core.ledger.used.trajectory_bytes == 0
 
 
@@ -338,12 +318,7 @@ def test_mask_state_is_released_only_after_the_fence(folders):
     assert not known.masked[0] and group.requests[0] is None
     # the next request in that slot is not blended with the old mask: it equals the pipeline
     core.add_request("t", GenerateParams(prompt="a red circle", steps=3, guidance=1.0, output="latent"))
-    while core.has_unfinished_requests():
-        fences.release_all()
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                got = out.latents.numpy()
-                core.decode_done("t")
+    got = run_to_end(core, release=True).results["t"]
     from engine.testing.pipeline_oracle import pipeline_output
 
     want = pipeline_output(folders["sd"], "default", "a red circle", 3, 1.0, seed=0)
@@ -414,12 +389,11 @@ def test_bad_image_inputs_are_rejected_naming_the_field(folders, tmp_path):
 # ---- the masked-blend kernel -------------------------------------------------------------------
 
 def _worker_blend(arrays: dict, block: int):
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
+    """In the Triton-interpreter worker: the blend kernel on numpy copies of the inputs."""
     from engine.core import kernels
+    from triton_interpreter import assert_interpreted
 
-    assert isinstance(kernels._blend_known_region_kernel, InterpretedFunction)
+    assert_interpreted(kernels._blend_known_region_kernel)
     t = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
     kernels.blend_known_region_triton(**t, block=block)
     return t["latents"].numpy()
@@ -441,35 +415,22 @@ def blend_case(seed: int) -> tuple[dict, int]:
 
 
 @pytest.mark.timeout(300)
-def test_blend_kernel_matches_its_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        pool.submit(int, 0).result(timeout=120)
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    try:
-        for seed in range(6):
-            inputs, block = blend_case(seed)
-            ref = {k: v.clone() for k, v in inputs.items()}
-            engine_kernels.blend_known_region_reference(**ref)
-            got = pool.submit(_worker_blend, {k: v.numpy() for k, v in inputs.items()}, block).result(timeout=300)
-            assert torch.equal(torch.from_numpy(got), ref["latents"]), f"seed {seed}"
-            slots = inputs["index"].long()
-            others = torch.ones(len(inputs["latents"]), dtype=torch.bool)
-            others[slots] = False
-            assert torch.equal(ref["latents"][others], inputs["latents"][others])  # other slots untouched
-            keep = inputs["mask"][slots] == 1  # the repainted region keeps the sampler's update
-            assert torch.equal(ref["latents"][slots][keep], inputs["latents"][slots][keep])
-            known = ~keep & (inputs["coefs"][:, 1:] == 0).expand_as(keep)
-            assert torch.equal(ref["latents"][slots][known], inputs["image_latents"][slots][known])
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+def test_blend_kernel_matches_its_reference_in_the_interpreter(triton_interpreter):
+    for seed in range(6):
+        inputs, block = blend_case(seed)
+        ref = {k: v.clone() for k, v in inputs.items()}
+        engine_kernels.blend_known_region_reference(**ref)
+        got = triton_interpreter.submit(_worker_blend, {k: v.numpy() for k, v in inputs.items()},
+                                        block).result(timeout=300)
+        assert torch.equal(torch.from_numpy(got), ref["latents"]), f"seed {seed}"
+        slots = inputs["index"].long()
+        others = torch.ones(len(inputs["latents"]), dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(ref["latents"][others], inputs["latents"][others])  # other slots untouched
+        keep = inputs["mask"][slots] == 1  # the repainted region keeps the sampler's update
+        assert torch.equal(ref["latents"][slots][keep], inputs["latents"][slots][keep])
+        known = ~keep & (inputs["coefs"][:, 1:] == 0).expand_as(keep)
+        assert torch.equal(ref["latents"][slots][known], inputs["image_latents"][slots][known])
 
 
 def test_blend_pass_cost_on_cpu():

@@ -52,22 +52,17 @@ def mask(width: int = 16, height: int = 16) -> bytes:
 REFERENCE = """
 import sys
 import msgspec, numpy as np
-from engine.core import CoreConfig, DenoiseFinished, EngineCore
+from engine.core import CoreConfig, EngineCore
 from engine.models.loading import load_model
 from engine.protocol import GenerateParams
+from tests.core_driver import CoreDriver
 
 folder, params_path, out_path = sys.argv[1:]
 requests = msgspec.msgpack.decode(open(params_path, "rb").read(), type=list[GenerateParams])
-core = EngineCore(load_model(folder, "cpu", dtype="float32"), CoreConfig(slots=2, device="cpu"))
-results = {}
+driver = CoreDriver(EngineCore(load_model(folder, "cpu", dtype="float32"), CoreConfig(slots=2, device="cpu")))
 for i, p in enumerate(requests):  # one at a time, as the test submits them to the engine
-    core.add_request(str(i), p)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[str(i)] = out.latents.numpy()
-                core.decode_done(out.request_id)
-np.savez(out_path, **results)
+    driver.run({str(i): p})
+np.savez(out_path, **driver.results)
 """
 
 

@@ -2,25 +2,14 @@
 CPU, against the torch reference on random inputs; and the reference against a
 hand-written per-element formula, so the reference itself is pinned down.
 
-How the interpreter is switched on. `TRITON_INTERPRET` (`triton.knobs.runtime.interpret`)
-is looked up in os.environ at every access, and triton consults it at several moments:
-when `@triton.jit` decorates a function (triton's own standard library at `import
-triton`, our kernel when engine/kernels.py is executed) and again at launch (e.g. the
-gluon import asserts that interpreted functions only exist in interpret mode). It must
-therefore be set before triton is imported and stay set for the process. In a pytest
-session triton is usually imported already (any module importing engine.core imports it),
-and the suite may run on a CUDA machine where other tests want the compiled kernel, so
-the kernel runs in one spawned worker process whose environment has TRITON_INTERPRET=1
-from the start; inputs are built and the reference runs here, in the test process.
+The kernel runs in the suite's one Triton-interpreter worker (the `triton_interpreter`
+fixture, tests/triton_interpreter.py says why a worker process with TRITON_INTERPRET=1
+from its start); inputs are built and the reference runs here, in the test process.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import multiprocessing
-import os
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -29,6 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 from engine.core import kernels as engine_kernels  # noqa: E402
 from engine.core.solvers import A, B, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q  # noqa: E402
+from triton_interpreter import assert_interpreted  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -37,10 +27,7 @@ TENSORS = ("model_out", "latents", "history", "noise", "index", "coefs")
 
 def _worker_run_triton(arrays: dict, dtype: str, block: int) -> tuple:
     """In the interpreter worker: run update_slots_triton on numpy copies of the inputs."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(engine_kernels._update_slots_kernel, InterpretedFunction)
+    assert_interpreted(engine_kernels._update_slots_kernel)
     t = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
     t["model_out"] = t["model_out"].to(getattr(torch, dtype))
     engine_kernels.update_slots_triton(**t, block=block)
@@ -48,18 +35,9 @@ def _worker_run_triton(arrays: dict, dtype: str, block: int) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def interpreter():
-    """One spawned worker with TRITON_INTERPRET=1 in its environment from the start."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        pool.submit(int, 0).result(timeout=120)  # start it now, inside the environment above
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+def interpreter(triton_interpreter):
+    """The kernel through the module's interpreter worker: inputs in, outputs out."""
+    pool = triton_interpreter
 
     def run(inputs: dict, block: int):
         arrays = {k: (v.float() if k == "model_out" else v).numpy() for k, v in inputs.items()}
@@ -71,8 +49,7 @@ def interpreter():
         return out
 
     run.pool = pool  # for tests that run other functions in the same worker
-    yield run
-    pool.shutdown(wait=True, cancel_futures=True)
+    return run
 
 
 LATENT_SENTINEL = 7777.0  # slots outside the index: must come back untouched
@@ -370,7 +347,7 @@ def test_reference_skips_history_term_where_hc_is_zero():
 def _worker_run_views(arrays: dict, dtype: str, views: dict, block: int) -> tuple:
     """In the interpreter worker: build the strided views described by `views` over the
     wide arrays, run the kernel on the views, return the wide latents and history."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert_interpreted(engine_kernels._update_slots_kernel)
     wide = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
     wide["model_out"] = wide["model_out"].to(getattr(torch, dtype))
     args = {}

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore
+from engine.core import CoreConfig, EngineCore
 from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import pipeline_output
 from engine.testing.tiny_pipelines import build_sd
+
+from core_driver import run_to_end
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
 
@@ -41,14 +43,7 @@ def test_requests_with_different_guidance_share_a_call_and_equal_the_pipeline(fo
         return real_run(inputs)
 
     model.run = spying
-    for rid, p in params.items():
-        core.add_request(rid, p)
-    done = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                done[out.request_id] = out.latents.numpy()
-                core.decode_done(out.request_id)
+    done = run_to_end(core, params).results
     del model.run
     first = conds[0]
     assert first is not None and first.shape[0] == 3 and not torch.equal(first[0], first[2])  # one row each

@@ -8,18 +8,16 @@ Oracles:
   scales set by diffusers' `set_adapters_for_text_encoder`. (diffusers' `load_lora_weights`
   cannot load text-encoder LoRA here: transformers 5 wants peft ≥ 0.22, the project pins
   0.21; the pool reads it with diffusers' converters and peft directly.)
-* the Triton kernel: the torch reference, through TRITON_INTERPRET=1 in a spawned worker
-  (see tests/test_kernels.py for why a worker), random shapes, ragged groups, rank mixes.
+* the Triton kernel: the torch reference, through the suite's Triton-interpreter worker
+  (the `triton_interpreter` fixture; tests/triton_interpreter.py says why a worker), random
+  shapes, ragged groups, rank mixes.
 
 LoRAs are made offline with PEFT (`LoraConfig(init_lora_weights=False)`: random non-zero
 A and B) for `build_sd`'s tiny folder and written by `save_lora_weights`.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import multiprocessing
-import os
 
 import pytest
 import torch
@@ -422,46 +420,29 @@ def random_layer_case(seed: int, dtype=torch.float32):
 
 
 def _worker_triton(seed: int, dtype: str, blocks: tuple) -> tuple:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
+    """In the Triton-interpreter worker: the LoRA kernel on the seed's random case."""
     from engine.lora import kernel
+    from triton_interpreter import assert_interpreted
 
-    assert isinstance(kernel._lora_shrink_kernel, InterpretedFunction)
+    assert_interpreted(kernel._lora_shrink_kernel)
     weights, x, out, index, scale = random_layer_case(seed, getattr(torch, dtype))
     groups = RowGroups.build(index, scale, for_kernel=True)
     kernel.add_lora_triton(out, x, weights, groups, *blocks)
     return out.float().numpy()
 
 
-@pytest.fixture(scope="module")
-def interpreter():
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        pool.submit(int, 0).result(timeout=120)
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
 @pytest.mark.parametrize("seed,dtype,blocks", [
     (0, "float32", (16, 16, 16)), (1, "float32", (16, 32, 16)), (2, "float32", (32, 16, 64)),
     (3, "float32", (16, 16, 16)), (4, "float32", (64, 64, 64)), (5, "float16", (16, 16, 32)),
 ])
-def test_triton_kernel_equals_reference(interpreter, seed, dtype, blocks):
+def test_triton_kernel_equals_reference(triton_interpreter, seed, dtype, blocks):
     pytest.importorskip("triton")
     weights, x, out, index, scale = random_layer_case(seed, getattr(torch, dtype))
     expected = out.clone()
     groups = RowGroups.build(index, scale, for_kernel=False)
     if groups is not None:
         add_lora_reference(expected, x, weights, groups)
-    got = torch.from_numpy(interpreter.submit(_worker_triton, seed, dtype, blocks).result(timeout=300))
+    got = torch.from_numpy(triton_interpreter.submit(_worker_triton, seed, dtype, blocks).result(timeout=300))
     tol = 1e-5 if dtype == "float32" else 2e-3
     delta = expected.float() - out.float()
     assert float((got - expected.float()).norm()) <= tol * max(float(delta.norm()), 1e-6) + tol, seed

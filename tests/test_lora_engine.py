@@ -4,16 +4,20 @@ share one denoiser call; each equals diffusers' pipeline with `load_lora_weights
 the fence, their bytes are in the ledger, and a bad `loras` is rejected naming the field."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
+from engine.core import CoreConfig, EngineCore, RequestRejected
 from engine.lora import AdapterPool
 from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.loras import lora_pipeline, lora_pipeline_output, make_lora
 from engine.testing.tiny_pipelines import build_sd
+
+from core_driver import run_to_end
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -45,21 +49,15 @@ def setup(tmp_path_factory):
 
 def run(core: EngineCore, params: dict, join_at: dict | None = None, cancel_at: dict | None = None,
         max_steps: int = 2000) -> tuple[dict, set]:
-    join_at, cancel_at = join_at or {}, cancel_at or {}
-    done, canceled, pending = {}, set(), dict(params)
-    for tick in range(max_steps):
-        for rid in [r for r in pending if join_at.get(r, 0) <= tick]:
-            core.add_request(rid, pending.pop(rid))
-        core.abort_requests([r for r, at in cancel_at.items() if at == tick])
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                done[out.request_id] = out.latents.clone().numpy()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.add(out.request_id)
-        if not pending and not core.has_unfinished_requests():
-            return done, canceled
-    raise AssertionError("did not finish")
+    """Run to the end: each request added before step() call `join_at[id]` (default 0),
+    canceled before call `cancel_at[id]`. Returns (final latents by id, canceled ids)."""
+    arrivals, cancels = collections.defaultdict(list), collections.defaultdict(list)
+    for rid, request in params.items():
+        arrivals[(join_at or {}).get(rid, 0)].append((rid, request))
+    for rid, at in (cancel_at or {}).items():
+        cancels[at].append(rid)
+    d = run_to_end(core, arrivals=arrivals, cancels=cancels, limit=max_steps)
+    return d.results, set(d.canceled)
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
+from engine.core import CoreConfig, EngineCore, RequestCanceled, RequestRejected
 from engine.core.fences import DeferredFences
 from engine.decode.stage import postprocess
 from engine.models.loading import StableDiffusion3Model, StableDiffusionModel, load_model
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import model_of, pipeline_output, rel_l2
 from engine.testing.tiny_pipelines import build_sd, build_sd3
+
+from core_driver import run_to_end
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,18 +41,6 @@ def folders(tmp_path_factory):
 
 
 
-def run(core: EngineCore, params: dict[str, GenerateParams]) -> dict:
-    for rid, p in params.items():
-        core.add_request(rid, p)
-    results = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-    return results
-
-
 SAMPLERS_OF = {
     "sd-ddim": ["default", "euler", "euler_ancestral", "ddim", "dpmpp_2m"],
     "sd-pndm": ["default", "dpmpp_2m"],
@@ -70,8 +60,9 @@ def test_request_alone_equals_the_pipeline(folders, name, sampler):
     for guidance, negative in ((rng.choice([3.0, 7.5]), rng.choice(NEGATIVES)), (1.0, "")):
         prompt, seed, steps = rng.choice(PROMPTS[:4]), rng.randrange(10_000), rng.choice([4, 7])
         core = EngineCore(model, CoreConfig(slots=2))
-        got = run(core, {"r": GenerateParams(prompt=prompt, negative_prompt=negative, steps=steps, sampler=sampler,
-                                             guidance=guidance, seed=seed, output="latent")})["r"]
+        got = run_to_end(core, {"r": GenerateParams(prompt=prompt, negative_prompt=negative, steps=steps,
+                                                    sampler=sampler, guidance=guidance, seed=seed,
+                                                    output="latent")}).results["r"]
         want = pipeline_output(folder, sampler, prompt, steps, guidance, seed, negative_prompt=negative)
         assert got.shape == want.shape
         err = rel_l2(got, want)
@@ -99,7 +90,7 @@ def test_pndm_at_guidance_1_under_graphs_equals_the_pipeline(folders):
     core = EngineCore(model, CoreConfig(slots=2, layout="bucketed", max_queue=8))
     capture = EagerCapture()
     core.graphed = GraphedDenoiser(model, capture)
-    results = run(core, cases)
+    results = run_to_end(core, cases).results
     assert capture.captures >= 1 and core.graphed.replays == core.batches  # every call went through a graph
     for rid, p in cases.items():
         want = pipeline_output(folder, "default", p.prompt, p.steps, 1.0, p.seed)
@@ -122,14 +113,14 @@ def test_shared_batches_with_late_joins_and_cancels_equal_the_pipeline(folders, 
             output="latent")
     core = EngineCore(model, CoreConfig(slots=4, max_queue=32))
     pending = list(cases.items())
-    results, canceled, shared, steps_seen = {}, set(), 0, 0
     victims = [f"v{k}" for k in range(3)]
     for k, vid in enumerate(victims):  # long requests canceled mid-way: their slots are reused
         pending.insert(2 + 3 * k, (vid, GenerateParams(prompt=PROMPTS[k], steps=20, sampler=samplers[k % len(samplers)],
                                                        guidance=5.0, seed=k, output="latent")))
-    tick = 0
-    while pending or core.has_unfinished_requests():
-        for _ in range(rng.choice((0, 1, 1, 2))):
+    seen = {"shared": 0, "steps": 0}
+
+    def join_cancel_and_count(d):
+        for _ in range(rng.choice((0, 1, 1, 2))):  # late joins
             if pending:
                 core.add_request(*pending.pop(0))
         for vid in victims:
@@ -137,16 +128,11 @@ def test_shared_batches_with_late_joins_and_cancels_equal_the_pipeline(folders, 
             if request is not None and request.step >= 3 and not request.stopping:
                 core.abort_requests([vid])
         running = [r for g in core.groups.values() for r in g.requests if r is not None and g.runnable[r.slot]]
-        steps_seen = max(steps_seen, len({r.step for r in running}))
-        shared += len(running) > 1
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.add(out.request_id)
-        tick += 1
-        assert tick < 2000
+        seen["steps"] = max(seen["steps"], len({r.step for r in running}))
+        seen["shared"] += len(running) > 1
+
+    d = run_to_end(core, before_step=join_cancel_and_count, waiting=lambda: bool(pending), limit=2000)
+    results, canceled, shared, steps_seen = d.results, set(d.canceled), seen["shared"], seen["steps"]
     assert canceled == set(victims) and set(results) == set(cases)
     assert shared > 10 and steps_seen >= 3, "requests did not really share batches at different steps"
     for rid, p in cases.items():
@@ -163,7 +149,7 @@ def test_uint8_output_equals_the_pipelines_np_image(folders, name):
     folder = folders[name]
     model = model_of(folder)
     p = GenerateParams(prompt="a red circle", steps=5, sampler="default", guidance=4.0, seed=11, output="uint8")
-    latents = run(EngineCore(model, CoreConfig(slots=2)), {"r": p})["r"]
+    latents = run_to_end(EngineCore(model, CoreConfig(slots=2)), {"r": p}).results["r"]
     image, shape, dtype = postprocess(model, torch.from_numpy(latents), "uint8")
     want = pipeline_output(folder, "default", p.prompt, p.steps, p.guidance, p.seed, output_type="np")
     assert dtype == "uint8" and image.shape == want.shape
@@ -197,14 +183,14 @@ def test_encode_phase_batches_caches_and_times(folders):
         core = EngineCore(model, CoreConfig(slots=4, max_queue=16, embedding_cache_entries=3))
         params = [GenerateParams(prompt=PROMPTS[k % 2], negative_prompt="blurry", steps=2, guidance=3.0, seed=k,
                                  output="latent") for k in range(4)]
-        run(core, {f"r{k}": p for k, p in enumerate(params)})
+        run_to_end(core, {f"r{k}": p for k, p in enumerate(params)})
         # one batched pass for the four admitted together: the two prompts and the negative, once each
         assert len(calls) == 1 and sorted(calls[0]) == sorted([PROMPTS[0], PROMPTS[1], "blurry"])
         stats = core.stats()
         assert stats["embedding_cache_hits"] == 8 - 3 and stats["embedding_cache_misses"] == 3
-        run(core, {"again": params[0]})
+        run_to_end(core, {"again": params[0]})
         assert len(calls) == 1 and core.stats()["embedding_cache_hits"] == 5 + 2
-        run(core, {"new": GenerateParams(prompt=PROMPTS[2], steps=2, guidance=1.0, output="latent")})
+        run_to_end(core, {"new": GenerateParams(prompt=PROMPTS[2], steps=2, guidance=1.0, output="latent")})
         assert calls[-1] == [PROMPTS[2]] and core.stats()["embedding_cache_entries"] == 3  # bounded: LRU out
     finally:
         del model.encode
@@ -252,7 +238,7 @@ def test_bad_prompts_are_rejected_naming_the_field(folders, field, value):
         core.add_request("r", bad)
     assert info.value.field == field
     core.add_request("ok", params)  # nothing else lost
-    assert run(core, {})["ok"].shape == (4, 8, 8)
+    assert run_to_end(core).results["ok"].shape == (4, 8, 8)
 
 
 @pytest.mark.timeout(300)
@@ -268,7 +254,7 @@ def test_half_precision_weights_keep_float32_latents(folders, name):
     assert model.conditioning_layout[2] == "torch.bfloat16" and model.vae.dtype == torch.bfloat16
     params = GenerateParams(prompt="a red circle", negative_prompt="blurry", steps=5, sampler="dpmpp_2m",
                             guidance=3.0, seed=3, output="latent")
-    got = run(EngineCore(model, CoreConfig(slots=2)), {"r": params})["r"]
+    got = run_to_end(EngineCore(model, CoreConfig(slots=2)), {"r": params}).results["r"]
     assert got.dtype == np.float32 and np.isfinite(got).all()
     want = pipeline_output(folder, "dpmpp_2m", "a red circle", 5, 3.0, 3, negative_prompt="blurry")
     err = rel_l2(got, want)

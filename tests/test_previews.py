@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore
-from engine.core.outputs import PreviewReady
+from engine.core import CoreConfig, EngineCore
 from engine.protocol import GenerateParams
 from engine.testing.tiny_pipelines import build_sd
 from frontend import Client, Completed
+from core_driver import run_to_end
 from proc_helpers import fake_engine, real_engine
 
 
@@ -28,14 +28,8 @@ def test_core_publishes_x0_estimates_at_evenly_spaced_steps(tmp_path):
     core.add_request("r", GenerateParams(prompt="a red circle", steps=8, sampler="dpmpp_2m", guidance=3.0,
                                          output="latent"), partial_images=3)
     core.add_request("quiet", GenerateParams(prompt="a blue cat", steps=8, output="latent"))
-    previews, final = [], None
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, PreviewReady):
-                previews.append(out)
-            elif isinstance(out, DenoiseFinished):
-                core.decode_done(out.request_id)
-                final = out.latents if out.request_id == "r" else final
+    d = run_to_end(core, keep="torch")
+    previews, final = d.previews, d.results["r"]
     assert [p.request_id for p in previews] == ["r"] * 3
     assert [p.step for p in previews] == [2, 4, 6] and [p.index for p in previews] == [0, 1, 2]
     # x0 estimates approach the final latents (the last one closest), and are not the noisy latents
@@ -63,15 +57,8 @@ def test_previews_leave_by_fence_gated_copies_on_the_cuda_path(tmp_path):
         copy_to_host = core.runner.copy_to_host
         core.runner.copy_to_host = lambda tensor: copies.append(tensor.shape) or copy_to_host(tensor)
         core.add_request("r", params, partial_images=2)
-        previews = []
-        while core.has_unfinished_requests():
-            outs = core.step()
-            previews += [o for o in outs if isinstance(o, PreviewReady)]
-            for out in outs:
-                if isinstance(out, DenoiseFinished):
-                    core.decode_done(out.request_id)
-            fences.release_all()
-        runs[async_path] = previews, len(copies)
+        d = run_to_end(core, after_step=lambda d, outputs: fences.release_all())
+        runs[async_path] = d.previews, len(copies)
     (sync, sync_copies), (copied, async_copies) = runs[False], runs[True]
     assert sync_copies == 0 and async_copies == 3  # two previews and the final latents
     assert [p.step for p in sync] == [p.step for p in copied] == [2, 4]

@@ -100,7 +100,7 @@ def test_the_scheduler_imports_no_torch():
 
 
 def test_fifo_admission_fills_free_slots_and_queues_the_rest():
-    scheduler, _, _ = create_scheduler(slots=2)
+    scheduler, _, _ = create_scheduler(slots=2, policy="fifo")  # the default is SRPT
     for r in create_requests(3):
         scheduler.add(r)
     assert ids(scheduler.admit()) == ["r0", "r1"]

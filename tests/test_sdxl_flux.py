@@ -291,17 +291,10 @@ def test_the_inputs_reach_the_result(folders):
 # --- the engine ---------------------------------------------------------------------
 
 def run_core(core, requests: dict[str, GenerateParams]) -> dict:
-    from engine.core import DenoiseFinished
+    """The requests run to the end through the suite's core driver: {id: final latents}."""
+    from core_driver import run_to_end
 
-    for rid, p in requests.items():
-        core.add_request(rid, p)
-    results = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-    return results
+    return run_to_end(core, requests).results
 
 
 ALONE_CASES = ["sdxl-default-zeros", "sdxl-micro-ancestral", "sdxl-one-row", "flux-dev-embedded",
@@ -357,7 +350,8 @@ def _per_row_inputs(name: str, p: GenerateParams) -> tuple:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["sdxl", "flux-dev", "flux-schnell"])
 def test_shared_calls_with_late_joins_and_cancels_equal_the_pipeline(folders, name):
-    from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled
+    from core_driver import run_to_end
+    from engine.core import CoreConfig, EngineCore
 
     model = model_of(folders[name])
     rng = random.Random(name)
@@ -369,34 +363,33 @@ def test_shared_calls_with_late_joins_and_cancels_equal_the_pipeline(folders, na
         extra = {} if name == "sdxl" else {"true_cfg": 3.0 * k}
         pending.insert(1 + 3 * k, (vid, params(prompt=PROMPTS[k], negative_prompt="blurry", steps=12, guidance=4.0,
                                                seed=k, height=16, width=16, **extra)))
-    results, canceled, tick = {}, set(), 0
-    shared = mixed_steps = mixed_inputs = 0
-    while pending or core.has_unfinished_requests():
+    seen = {"shared": 0, "mixed_steps": 0, "mixed_inputs": 0, "before": {}}
+
+    def join_and_cancel(d):
         for _ in range(rng.choice((0, 1, 1, 2))):
             if pending:
                 core.add_request(*pending.pop(0))
         for vid in victims:
             request = core.requests.get(vid)
-            if request is not None and request.step >= 2 and vid not in canceled:
+            if request is not None and request.step >= 2 and vid not in d.canceled:
                 core.abort_requests([vid])
-        before = {rid: r.step for rid, r in core.requests.items()}
-        outputs = core.step()
+        seen["before"] = {rid: r.step for rid, r in core.requests.items()}
+
+    def count_shared(d, outputs):
         # the requests this call advanced: did they share it, at different steps, with
         # different per-row inputs?
+        before = seen["before"]
         advanced = [rid for rid, step in before.items() if rid in core.requests and core.requests[rid].step > step]
         if len(advanced) > 1:
-            shared += 1
-            mixed_steps += len({before[rid] for rid in advanced}) > 1
+            seen["shared"] += 1
+            seen["mixed_steps"] += len({before[rid] for rid in advanced}) > 1
             every = {**cases, **{rid: core.requests[rid].params for rid in advanced}}
-            mixed_inputs += len({_per_row_inputs(name, every[rid]) for rid in advanced}) > 1
-        for out in outputs:
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.numpy().copy()
-                core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.add(out.request_id)
-        tick += 1
-        assert tick < 2000
+            seen["mixed_inputs"] += len({_per_row_inputs(name, every[rid]) for rid in advanced}) > 1
+
+    d = run_to_end(core, before_step=join_and_cancel, after_step=count_shared, waiting=lambda: bool(pending),
+                   limit=2000)
+    results, canceled = d.results, set(d.canceled)
+    shared, mixed_steps, mixed_inputs = seen["shared"], seen["mixed_steps"], seen["mixed_inputs"]
     assert canceled == set(victims) and set(results) == set(cases)
     assert shared > 3 and mixed_steps > 0 and mixed_inputs > 0, (shared, mixed_steps, mixed_inputs)
     worst = 0.0

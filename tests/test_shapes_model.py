@@ -49,7 +49,8 @@ def test_served_engine_samples_are_their_prompt():
     """What `python -m engine serve` serves as `shapes`: the engine core on the folder, 4
     samples per prompt sharing batches (dpmpp_2m, 20 steps, guidance 3, fresh seeds),
     decoded by the engine's decode path; and one request equals the pipeline call."""
-    from engine.core import CoreConfig, DenoiseFinished, EngineCore
+    from core_driver import run_to_end
+    from engine.core import CoreConfig, EngineCore
     from engine.decode.stage import postprocess
     from engine.models.loading import StableDiffusionModel, load_model
     from engine.protocol import GenerateParams
@@ -63,15 +64,8 @@ def test_served_engine_samples_are_their_prompt():
                                       output="uint8")
               for i, p in enumerate(p for p in PROMPTS for _ in range(4))}
     core = EngineCore(model, CoreConfig(slots=16, max_queue=len(params)))
-    for rid, p in params.items():
-        core.add_request(rid, p)
-    images, latents = {}, {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                latents[out.request_id] = out.latents
-                images[out.request_id] = postprocess(model, out.latents, "uint8")[0]
-                core.decode_done(out.request_id)
+    latents = run_to_end(core, params, keep="torch").results  # in the order they finished
+    images = {rid: postprocess(model, x, "uint8")[0] for rid, x in latents.items()}
     readings = dict(zip(images, classify(np.stack(list(images.values())))))
     misses = [f"{params[r].prompt} -> {look}" for r, look in readings.items()
               if look != prompt_condition(params[r].prompt)]

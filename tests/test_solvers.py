@@ -39,13 +39,15 @@ from diffusers import (
 
 from engine.testing.reference import SCHEDULER_CONFIGS, TEST_CONDITIONS, reference_latents, rel_l2, tiny_model  # noqa: E402
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected  # noqa: E402
+from engine.core import CoreConfig, EngineCore, RequestRejected  # noqa: E402
 from engine.core.kernels import update_slots_reference  # noqa: E402
 from engine.models.loading import ClassConditionalModel  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
 from engine.core.solvers import (  # noqa: E402
     CLIP, HC, KEEP_HIST, P, Q, SAMPLERS, SUPPORTED, Trajectory, UnsupportedSampler, build_schedule, make_scheduler,
 )
+
+from core_driver import run_to_end  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]  # diffusers + numpy 2
@@ -180,15 +182,17 @@ def run_shared(model: ClassConditionalModel, cases: list[Case], layout: str = "c
                                     sampler=("euler_ancestral", "dpmpp_2m", "ddim")[k % 3], output="latent")
                      for k in range(victims)]
     victim_params = [p for p in victim_params if model.prediction_type in SUPPORTED[p.sampler]]
-    results, canceled, admitted_late, victim_ids = {}, set(), set(), set()
+    admitted_late, victim_ids = set(), set()
     to_cancel = {}  # victim id → batch count at which to cancel
-    tick = 0
-    while pending or victim_params or core.has_unfinished_requests():
+    busy_before = set()
+
+    def join_and_cancel(d):
+        nonlocal busy_before
         for _ in range(rng.choice((0, 1, 1, 2))):
             if pending:
                 case = pending.pop()
                 core.add_request(case.id, case.params())
-        if victim_params and tick % 5 == 2:
+        if victim_params and d.calls % 5 == 2:
             vid = f"victim-{len(victim_params)}"
             core.add_request(vid, victim_params.pop())
             to_cancel[vid] = core.batches + 3
@@ -199,18 +203,16 @@ def run_shared(model: ClassConditionalModel, cases: list[Case], layout: str = "c
                 del to_cancel[vid]
         busy_before = {r.request_id for g in core.groups.values() for r in g.requests
                        if r is not None and r.step > 0}
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents.clone()
-                assert core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.add(out.request_id)
+
+    def note_late_admissions(d, outputs):
         if busy_before:
             for g in core.groups.values():
-                admitted_late |= {r.request_id for r in g.requests if r is not None and r.step == 1
-                                  and r.request_id not in busy_before}
-        tick += 1
-        assert tick < 10_000
+                admitted_late.update(r.request_id for r in g.requests if r is not None and r.step == 1
+                                     and r.request_id not in busy_before)
+
+    d = run_to_end(core, keep="torch", before_step=join_and_cancel, after_step=note_late_admissions,
+                   waiting=lambda: bool(pending or victim_params))
+    results, canceled = d.results, set(d.canceled)
     return SharedRun(results, canceled, core, admitted_late, victim_ids)
 
 
@@ -315,10 +317,7 @@ def test_alone_float32_model(pair):
     for steps, g in ((2, 7.5), (7, 1.0)):
         case = CASE_BY_KEY[(sampler, pred, steps, g)]
         core = EngineCore(model, CoreConfig(slots=4, max_steps=32, output_budget_bytes=1 << 30))
-        core.add_request("r", case.params())
-        result = None
-        while result is None:
-            result = next((o.latents for o in core.step() if isinstance(o, DenoiseFinished)), None)
+        result = run_to_end(core, {"r": case.params()}, keep="torch").results["r"]
         ref = reference_latents(model, sampler, case.prompt, steps, g, case.seed)
         err = rel_l2(result, ref)
         assert err <= TOL, f"{case.id}: relative L2 {err:.3g}"
@@ -369,8 +368,9 @@ def _run_requests(model, requests: list[tuple[str, GenerateParams]], cancel: dic
     cancel, join_at = cancel or {}, join_at or {}
     core = EngineCore(model, CoreConfig(slots=slots, max_steps=32, output_budget_bytes=1 << 30))
     waiting = list(requests)
-    objects, results = {}, {}
-    while waiting or core.has_unfinished_requests():
+    objects = {}
+
+    def join_and_cancel(d):
         for rid, params in list(waiting):
             if core.batches >= join_at.get(rid, 0):
                 core.add_request(rid, params)
@@ -379,11 +379,9 @@ def _run_requests(model, requests: list[tuple[str, GenerateParams]], cancel: dic
         for rid, at in cancel.items():
             if core.batches == at:
                 core.abort_requests([rid])
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                results[out.request_id] = out.latents
-                core.decode_done(out.request_id)
-    return results, objects
+
+    d = run_to_end(core, keep="torch", before_step=join_and_cancel, waiting=lambda: bool(waiting))
+    return d.results, objects
 
 
 def test_ancestral_noise_isolated_from_neighbours():

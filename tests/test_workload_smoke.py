@@ -210,7 +210,8 @@ def test_the_baseline_core_equals_the_pipeline(tmp_path):
 
     sys.path.insert(0, str(ROOT))  # bench.baselines, as the engine process imports it from the repo root
     from bench.baselines import PipelineBatchCore
-    from engine.core import CoreConfig, DenoiseFinished, RequestCanceled, StepProgress
+    from core_driver import run_to_end
+    from engine.core import CoreConfig, StepProgress
     from engine.models.loading import load_model
     from engine.protocol import GenerateParams
     from engine.testing.pipeline_oracle import pipeline_output
@@ -223,20 +224,13 @@ def test_the_baseline_core_equals_the_pipeline(tmp_path):
              ("a red cross", "dpmpp_2m", 1.0)]
     params = [GenerateParams(prompt=p, steps=4, sampler=s, guidance=g, seed=i, output="latent")
               for i, (p, s, g) in enumerate(specs)]
-    for i, p in enumerate(params):
-        core.add_request(f"r{i}", p)
-    finished, canceled, progress = {}, [], []
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if isinstance(out, StepProgress):
-                progress.append((out.request_id, out.step))
-                if out.request_id == "r2" and out.step == 1:
-                    core.abort_requests(["r2"])
-            elif isinstance(out, DenoiseFinished):
-                finished[out.request_id] = out
-                assert core.decode_done(out.request_id)
-            elif isinstance(out, RequestCanceled):
-                canceled.append(out.request_id)
+
+    def cancel_r2_after_its_first_step(d, outputs):
+        if any(isinstance(o, StepProgress) and o.request_id == "r2" and o.step == 1 for o in outputs):
+            core.abort_requests(["r2"])
+
+    d = run_to_end(core, {f"r{i}": p for i, p in enumerate(params)}, after_step=cancel_r2_after_its_first_step)
+    finished, canceled = d.finished, list(d.canceled)
     assert canceled == ["r2"] and set(finished) == {"r0", "r1", "r3"}
     for i in (0, 1, 3):
         p = params[i]
