@@ -95,6 +95,7 @@ CONCERNS = {
     "tests/test_lcm_guidance_embedding.py": ("models",),
     "tests/test_lora.py": ("models",),
     "tests/test_lora_engine.py": ("models",),
+    "tests/test_model_contract.py": ("models",),
     "tests/test_pipelines.py": ("models",),
     "tests/test_sdxl_flux.py": ("models",),
     "tests/test_shapes_model.py": ("models",),

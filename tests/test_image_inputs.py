@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from engine.core import CoreConfig, EngineCore, RequestCanceled, RequestRejected
+from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
 from engine.core import kernels as engine_kernels
 from engine.core.fences import DeferredFences
 from engine.core.solvers import build_schedule, make_scheduler
