@@ -1,5 +1,5 @@
 """Smoke: the decode-stage and admission-policy benchmarks run as scripts (`--quick`) and
-print a row for every configuration with plausible numbers."""
+print a row for every configuration with plausible numbers, the policies' aging sweep too."""
 from __future__ import annotations
 
 import pathlib
@@ -40,3 +40,14 @@ def test_policies_quick(tmp_path):
         assert all(float(v) > 0 for v in row[2:]), row
     idle = [line for line in lines if line.startswith("idle:")]
     assert len(idle) == 1 and float(idle[0].split()[5]) > 0, lines
+
+
+@pytest.mark.timeout(300)
+def test_policies_aging_sweep_quick(tmp_path):
+    """`--srpt-aging` runs SRPT once per multiple (inf: unbounded) on the chosen traces only."""
+    lines = run_script("policies.py", tmp_path, "--traces", "saturated", "--rate", "8", "--srpt-aging", "2,inf")
+    rows = [line.split() for line in lines if line.split()[:1] in (["burst"], ["saturated"], ["below"])]
+    assert sorted((r[0], r[1]) for r in rows) == [("saturated", "fifo"), ("saturated", "srpt/aging=2"),
+                                                  ("saturated", "srpt/aging=inf")], lines
+    for row in rows:
+        assert all(float(v) > 0 for v in row[2:]), row
