@@ -57,6 +57,10 @@ MAX_INPUT_BYTES = 16 << 20  # each input frame (an image, a mask), by default (C
 #: SDXL's micro-conditioning fields of `GenerateParams`, in `add_time_ids` order
 MICRO_CONDITIONING = ("original_size", "crops_coords_top_left", "target_size")
 
+#: `GenerateParams.priority` lies in [-MAX_PRIORITY, MAX_PRIORITY]; the gateway's classes map onto it
+MAX_PRIORITY = 1000
+PRIORITY_CLASSES = {"batch": -10, "default": 0, "interactive": 10}
+
 MAX_PARTIAL_IMAGES = 3  # previews one request may ask for (`partial_images`, as OpenAI's)
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
@@ -95,6 +99,10 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     mask: Annotated[bytes, msgspec.Meta(description=(
         "inpainting: PNG, JPEG or WebP of the image's size, white = repaint"))] | None = None
     strength: float | None = None  # 0 < s ≤ 1; None: the model's image pipeline's own default
+    # scheduling: a higher priority is admitted first and may park running requests of a
+    # lower one at a step boundary; a deadline (seconds after arrival) orders a priority by slack
+    priority: int = 0
+    deadline_s: float | None = None
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from engine.core.outputs import RequestRejected
-from engine.protocol import MAX_PROMPT_CHARS, MICRO_CONDITIONING, OUTPUT_KINDS, SAMPLERS, GenerateParams
+from engine.protocol import MAX_PRIORITY, MAX_PROMPT_CHARS, MICRO_CONDITIONING, OUTPUT_KINDS, SAMPLERS, GenerateParams
 
 MAX_GUIDANCE = 100.0
 
@@ -43,6 +43,11 @@ def checked_size(model, geometry, p: GenerateParams, max_steps: int,
                                   "pixels", field)
     if type(p.seed) is not int or not 0 <= p.seed < 2**63:
         raise RequestRejected("must be an integer in [0, 2**63)", "seed")
+    if type(p.priority) is not int or not -MAX_PRIORITY <= p.priority <= MAX_PRIORITY:
+        raise RequestRejected(f"must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (higher first)", "priority")
+    if p.deadline_s is not None and (isinstance(p.deadline_s, bool) or not isinstance(p.deadline_s, (int, float))
+                                     or not math.isfinite(p.deadline_s) or p.deadline_s <= 0):
+        raise RequestRejected("must be a positive number of seconds after arrival", "deadline_s")
     if p.output not in OUTPUT_KINDS:
         raise RequestRejected(f"must be one of {', '.join(OUTPUT_KINDS)}", "output")
     multiple, largest = geometry.size_multiple, geometry.max_size
