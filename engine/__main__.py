@@ -32,6 +32,16 @@ CORE_FLAGS = {
     "srpt_aging": flag("--srpt-aging", metavar="X",
                        help="srpt: the work admitted while a request waits is at most X × (the work queued ahead "
                             "of it + its own); then it goes first"),
+    "priority_aging": flag("--priority-aging", metavar="X",
+                           help="a request of a lower priority goes first once the work admitted while it waits "
+                                "exceeds X × (the work queued ahead of it + its own)"),
+    "preemption": flag("--no-preemption", negate=True,
+                       help="never park running requests of a lower priority for a higher one"),
+    "preempt_min_steps": flag("--preempt-min-steps", metavar="N",
+                              help="steps a request runs after its (re)admission before it may be parked"),
+    "max_preemptions": flag("--max-preemptions", metavar="N", help="times one request may be parked"),
+    "parked_budget_bytes": flag("--parked-budget-bytes", metavar="N",
+                                help="host bytes for parked requests' slot state (default: the trajectory budget)"),
     "cuda_graphs": flag("--no-cuda-graphs", negate=True,
                         help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
                              "CUDA graph per bucket"),

@@ -117,6 +117,8 @@ class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     padded_evals: int = 0  # rows computed in its batches that served no one
     encode_s: float = 0.0  # its prompts' text-encoder pass (0 when the embedding cache had them)
     image_encode_s: float = 0.0  # its image inputs' VAE encoder pass at admission (0 without an image)
+    parked_s: float = 0.0  # time spent parked (preempted by higher-priority requests)
+    preemptions: int = 0  # times it was parked
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,

@@ -1,4 +1,4 @@
-"""Smoke: the decode-stage and admission-policy benchmarks run as scripts (`--quick`) and
+"""Smoke: the decode-stage, admission-policy and priorities benchmarks run as scripts (`--quick`) and
 print a row for every configuration with plausible numbers, the policies' aging sweep too."""
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_policies_aging_sweep_quick(tmp_path):
                                                   ("saturated", "srpt/aging=inf")], lines
     for row in rows:
         assert all(float(v) > 0 for v in row[2:]), row
+
+
+@pytest.mark.timeout(300)
+def test_priorities_quick(tmp_path):
+    """Every system prints its row; with priorities and preemption the interactive requests
+    park batch work (preemptions and bytes moved are counted), without they never do."""
+    lines = run_script("priorities.py", tmp_path)
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.split()[:1] in
+            (["preempt"], ["priority"], ["srpt"])}
+    assert set(rows) == {"preempt", "priority", "srpt"}, lines
+    for values in rows.values():
+        assert all(float(v) > 0 for v in values[:3]), values
+    assert float(rows["preempt"][3]) >= 1 and float(rows["preempt"][4]) > 0, rows["preempt"]
+    assert float(rows["priority"][3]) == 0 and float(rows["srpt"][3]) == 0

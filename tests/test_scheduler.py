@@ -73,10 +73,11 @@ def create_scheduler(slots: int = 2, trajectory_bytes: int = 1000, decode_buffer
     return scheduler, scheduler.outputs, scheduler.made
 
 
-def create_request(rid: str, steps: int = 4, nbytes: int = 100, shape=SHAPE, guided: bool = True) -> Request:
+def create_request(rid: str, steps: int = 4, nbytes: int = 100, shape=SHAPE, guided: bool = True,
+                   priority: int = 0, deadline_s: float | None = None, arrival: float = 0.0) -> Request:
     trajectory = types.SimpleNamespace(total=steps)
-    request = Request(rid, GenerateParams(prompt="p", steps=steps), shape, 3.0 if guided else None, 0.0,
-                      Reservation(nbytes, 10), group_key=("model", shape))
+    request = Request(rid, GenerateParams(prompt="p", steps=steps, priority=priority, deadline_s=deadline_s), shape,
+                      3.0 if guided else None, arrival, Reservation(nbytes, 10), group_key=("model", shape))
     request.trajectory = trajectory
     return request
 
@@ -187,6 +188,68 @@ def test_srpt_aging_bounds_the_work_admitted_ahead_of_a_long_request(aging):
     assert k > 1 and scheduler.requests["s0"].status is not RequestStatus.QUEUED  # shorter ones did pass it
     assert bound < since <= bound + 20, (since, bound)  # admitted at the first boundary past its bound
     assert len(scheduler.queue) >= 1  # with shorter work still waiting
+
+
+def test_higher_priority_first_then_the_policy_within_a_priority():
+    scheduler, _, _ = create_scheduler(slots=1, policy="srpt")
+    scheduler.add(create_request("batch-short", steps=2, priority=-10))
+    scheduler.add(create_request("default-long", steps=40))
+    scheduler.add(create_request("interactive-long", steps=30, priority=10))
+    scheduler.add(create_request("interactive-short", steps=4, priority=10))
+    assert ids(scheduler._candidates()) == ["interactive-short", "interactive-long", "default-long", "batch-short"]
+
+
+def test_deadlines_order_a_priority_by_slack():
+    scheduler, _, _ = create_scheduler(slots=1, policy="srpt")
+    scheduler.seconds_per_eval = 0.5
+    scheduler.add(create_request("none", steps=2))
+    scheduler.add(create_request("far", steps=2, deadline_s=100.0))
+    scheduler.add(create_request("near-but-long", steps=20, deadline_s=30.0))  # slack 30 − 40 × 0.5 = 10
+    scheduler.add(create_request("near-short", steps=2, deadline_s=12.0))  # slack 12 − 4 × 0.5 = 10 → 10, later
+    scheduler.add(create_request("tight", steps=10, deadline_s=15.0))  # slack 15 − 20 × 0.5 = 5
+    order = ids(scheduler._candidates())
+    assert order[0] == "tight" and order[-1] == "none" and order.index("far") == 3, order
+
+
+@pytest.mark.parametrize("aging", [2.0, 8.0])
+def test_the_lowest_priority_still_progresses_within_its_bound(aging):
+    """A steady stream of interactive requests over one batch request: it waits, but only
+    until the work admitted since it arrived exceeds `priority_aging` × (the work queued
+    ahead of it + its own); then it goes first."""
+    scheduler, _, _ = create_scheduler(slots=1, priority_aging=aging, srpt_aging=1000.0)
+    scheduler.add(create_request("first", steps=4, priority=10))
+    running = scheduler.admit()[0]
+    scheduler.add(create_request("batch", steps=10, priority=-10))  # 20 evaluations, none queued ahead
+    bound = aging * 20
+    mark, k = scheduler.admitted_evals, 0
+    while scheduler.requests["batch"].status is RequestStatus.QUEUED:
+        scheduler.add(create_request(f"i{k}", steps=4, priority=10))
+        k += 1
+        since = scheduler.admitted_evals - mark
+        scheduler.release_slot(running)
+        scheduler.ledger.give_back_decode(running.reservation)
+        running = scheduler.admit()[0]
+        assert k < 500, "the batch request starved"
+    assert k > 1 and bound < since <= bound + 8, (since, bound)
+
+
+def test_preemption_parks_the_lowest_priority_with_most_work_left_and_resumes_at_its_step():
+    scheduler, outputs, _ = create_scheduler(slots=2, preempt_min_steps=1)
+    scheduler.ledger.parked_capacity = 1000
+    for rid, steps in (("a", 6), ("b", 9)):
+        scheduler.add(create_request(rid, steps=steps, priority=-1))
+    assert ids(scheduler.admit()) == ["a", "b"]
+    group = scheduler.pick_group()
+    scheduler.launched(group, None, [0, 1])  # a fence of None: nothing in flight
+    scheduler.add(create_request("urgent", steps=2, priority=5))
+    plan = super(type(scheduler), scheduler).admit()
+    assert [(slot, r.request_id) for _, slot, r in plan.parked] == [(1, "b")] and ids(plan.placed) == ["urgent"]
+    b = scheduler.requests["b"]
+    assert b.status is RequestStatus.PARKED and b.steps_at_release == 1 and b.remaining_evals == 16
+    assert scheduler.ledger.parked_used == 100 and scheduler.stats()["preemptions"] == 1
+    scheduler.release_slot(scheduler.requests["urgent"])  # done
+    scheduler.ledger.give_back_decode(scheduler.requests["urgent"].reservation)
+    assert ids(scheduler.admit()) == ["b"] and group.step_index[b.slot] == 1 and scheduler.ledger.parked_used == 0
 
 
 def test_idle_groups_are_evicted_beyond_the_bound_and_busy_ones_never():

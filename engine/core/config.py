@@ -32,6 +32,16 @@ class CoreConfig:
     bypass_limit: int = 8  # later requests that may pass one waiting for memory before it blocks
     # srpt: work admitted while a request waits, at most this × (work queued ahead of it + its own)
     srpt_aging: float = 2.0
+    # priorities: a lower priority's request goes first once the work admitted while it waits
+    # exceeds this × (all the work queued ahead of it when it arrived + its own)
+    priority_aging: float = 8.0
+    # a request of higher priority that cannot be admitted parks running requests of a lower
+    # one at a step boundary (their slot state to host memory), each only after it ran
+    # `preempt_min_steps` steps since its last admission and at most `max_preemptions` times
+    preemption: bool = True
+    preempt_min_steps: int = 2
+    max_preemptions: int = 3
+    parked_budget_bytes: int | None = None  # host bytes of parked slot state; default: the trajectory budget
     oom_recovery_batches: int = 64  # batches at a lowered row limit before it doubles back
     max_schedules: int = 1024  # cached schedules (sampler, steps, size options)
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
@@ -49,6 +59,8 @@ class CoreConfig:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
                 or self.embedding_cache_entries < 1 or self.max_groups < 1 or self.max_input_bytes < 1 \
-                or self.srpt_aging < 0:
+                or self.srpt_aging < 0 or self.priority_aging < 0 or self.preempt_min_steps < 0 \
+                or self.max_preemptions < 0:
             raise ValueError("slots, decode_buffers, max_steps, embedding_cache_entries, max_groups and "
-                             "max_input_bytes must be positive, max_queue and srpt_aging non-negative")
+                             "max_input_bytes must be positive; max_queue, srpt_aging, priority_aging, preempt_min_steps and "
+                             "max_preemptions non-negative")

@@ -84,8 +84,9 @@ class EngineCore:
         output = max(reservation_for(shape, native, native, kind).output_bytes for kind in OUTPUT_KINDS)
         c = self.config
         headroom = sum(kind.headroom(shape, c.slots) for kind in self.kinds)
-        return Ledger(c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + headroom,
-                      c.decode_buffers, c.output_budget_bytes or (c.slots + c.decode_buffers) * output)
+        trajectory_budget = c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + headroom
+        return Ledger(trajectory_budget, c.decode_buffers, c.output_budget_bytes or (c.slots + c.decode_buffers) * output,
+                      trajectory_budget if c.parked_budget_bytes is None else c.parked_budget_bytes)
 
     # ---- public interface ------------------------------------------------------
 
@@ -155,7 +156,8 @@ class EngineCore:
         for key, error in self.runner.apply(plan).items():
             outputs += self.scheduler.storage_failed(key, error)
         placed = [r for r in plan.placed if not r.stopping]
-        for request, why in self.preparation.run(placed).items():
+        fresh = [r for r in placed if r.parked is None]  # a resumed request brings its prepared state
+        for request, why in self.preparation.run(fresh).items():
             self.scheduler.fail(request, why)
         self.runner.place([r for r in placed if not r.stopping])
         for request in placed:
@@ -227,6 +229,7 @@ class EngineCore:
             "useful_ratio": runner.useful_rows / rows if rows else 1.0,
             "stale_reports": self.reaper.stale_reports,
             "denoiser_s": runner.denoiser_s,
+            "park_s": runner.park_s,
             "schedules_cached": len(self.intake.schedules),
             **self.embeddings.stats(),
         }

@@ -36,6 +36,7 @@ class Runner:
         self.timer = StepTimer(device)  # device time per step (host time says nothing on CUDA)
         self.denoiser_s = 0.0  # host seconds inside one-call denoiser steps: on a CPU, its busy time
         self.useful_rows = self.padded_rows = 0
+        self.park_s = 0.0  # host seconds moving parked slot state out and back
         self.staged_uploads = device.type == "cuda"  # tests turn it on with CPU tensors
         self.async_copies = device.type == "cuda"
         # bucketed layout on CUDA: each bucket's denoiser call is captured once and replayed
@@ -52,6 +53,12 @@ class Runner:
         """The plan's changes to the storage, but its placements (`place`, once the
         preparation phase has readied them). Returns the new groups whose storage could not
         be allocated, with the error: their requests fail, not the engine."""
+        for key, slot, request in plan.parked:  # after their fence: the slot's state to host memory
+            started = time.perf_counter()
+            storage = self.storage[key]
+            request.parked = storage.park(slot)
+            storage.release(slot)
+            self.park_s += time.perf_counter() - started
         for key, slot in plan.released:
             storage = self.storage.get(key)
             if storage is not None:
@@ -67,9 +74,17 @@ class Runner:
         return failed
 
     def place(self, requests) -> None:
-        """Start the slots of newly admitted, prepared requests."""
+        """Start the slots of newly admitted, prepared requests, and bring back the parked
+        state of resumed ones."""
         for request in requests:
-            self.storage[request.group_key].place(request.slot, request)
+            storage = self.storage[request.group_key]
+            if request.parked is None:
+                storage.place(request.slot, request)
+                continue
+            started = time.perf_counter()
+            storage.unpark(request.slot, request.parked)
+            request.parked = None
+            self.park_s += time.perf_counter() - started
 
     # ---- the row map ---------------------------------------------------------------
 

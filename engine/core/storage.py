@@ -106,7 +106,7 @@ class SlotStorage:
             latents=self.latents[slot].to("cpu", copy=True), history=self.history[slot].to("cpu", copy=True),
             tables=(self.two_rows[slot], self.stochastic[slot], self.generic[slot], self.coef_table[slot].copy(),
                     self.timestep_table[slot].copy(), self.divisor_table[slot].copy(), self.channels_last[slot]),
-            conditioning=tuple(self.conditioning[slot]), rows=rows,
+            conditioning=tuple(None if c is None else _moved(c, "cpu") for c in self.conditioning[slot]), rows=rows,
             kinds={name: state.park(slot) for name, state in self.kind_states.items() if state.holds(slot)})
 
     def unpark(self, slot: int, parked: "ParkedSlot") -> None:
@@ -114,13 +114,21 @@ class SlotStorage:
         upload(self.history[slot], parked.history)
         (self.two_rows[slot], self.stochastic[slot], self.generic[slot], self.coef_table[slot],
          self.timestep_table[slot], self.divisor_table[slot], self.channels_last[slot]) = parked.tables
-        self.conditioning[slot] = parked.conditioning
+        self.conditioning[slot] = tuple(None if c is None else _moved(c, self.device) for c in parked.conditioning)
         self._write_rows(slot, parked.rows)
         for name, value in parked.kinds.items():
             state = self.kind_states.get(name)
             if state is None:
                 state = self.kind_states[name] = value.slot_state(self)
             state.place(slot, value)
+
+
+def _moved(conditioning, device):
+    """A copy of prompt rows on `device` (the host while parked: the cache's own entry may be
+    evicted meanwhile, and its device bytes are not the parked request's to hold)."""
+    pooled = conditioning.pooled
+    return dataclasses.replace(conditioning, hidden=conditioning.hidden.to(device, copy=True),
+                               pooled=None if pooled is None else pooled.to(device, copy=True))
 
 
 @dataclasses.dataclass
@@ -136,7 +144,8 @@ class ParkedSlot:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.latents, self.history, *self.rows.values()]
+        rows = [t for c in self.conditioning if c is not None for t in (c.hidden, c.pooled) if t is not None]
+        tensors = [self.latents, self.history, *self.rows.values(), *rows]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
             getattr(v, "nbytes", 0) for v in self.kinds.values())
 

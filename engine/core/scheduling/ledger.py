@@ -25,9 +25,11 @@ class Reservation:
 class Ledger:
     """Admission's accounting: trajectory memory, decode buffers, output bytes."""
 
-    def __init__(self, trajectory_bytes: int, decode_buffers: int, output_bytes: int):
+    def __init__(self, trajectory_bytes: int, decode_buffers: int, output_bytes: int, parked_bytes: int = 0):
         self.capacity = Reservation(trajectory_bytes, output_bytes, decode_buffers)
         self.used = Reservation(0, 0, 0)
+        # host memory for parked requests' slot state (a preempted request's trajectory bytes)
+        self.parked_capacity, self.parked_used = parked_bytes, 0
 
     def could_ever_fit(self, r: Reservation) -> bool:
         c = self.capacity
@@ -43,6 +45,27 @@ class Ledger:
         self.used.trajectory_bytes += r.trajectory_bytes
         self.used.output_bytes += r.output_bytes
         self.used.decode_buffers += r.decode_buffers
+
+    def fits_trajectory(self, r: Reservation) -> bool:
+        """A parked request's trajectory again (its decode and output reservation it kept)."""
+        return self.used.trajectory_bytes + r.trajectory_bytes <= self.capacity.trajectory_bytes
+
+    def can_park(self, r: Reservation) -> bool:
+        return self.parked_used + r.trajectory_bytes <= self.parked_capacity
+
+    def park(self, r: Reservation) -> None:
+        """Its trajectory bytes move from the device budget to the parked host budget."""
+        self.used.trajectory_bytes -= r.trajectory_bytes
+        self.parked_used += r.trajectory_bytes
+
+    def resume(self, r: Reservation) -> None:
+        self.parked_used -= r.trajectory_bytes
+        self.used.trajectory_bytes += r.trajectory_bytes
+
+    def drop_parked(self, r: Reservation) -> None:
+        """A parked request ends (canceled): its host bytes go."""
+        self.parked_used -= r.trajectory_bytes
+        r.trajectory_bytes = 0
 
     def give_back_trajectory(self, r: Reservation) -> None:
         self.used.trajectory_bytes -= r.trajectory_bytes

@@ -15,10 +15,14 @@ import numpy as np
 class AdmissionPlan:
     """One step boundary's changes to the slot storage, in the order the runner applies them."""
 
+    # (group key, slot, request): running requests to park — the slot's state to host memory
+    # (`request.parked`), then the slot is free
+    parked: list[tuple[tuple, int, Any]] = dataclasses.field(default_factory=list)
     released: list[tuple[tuple, int]] = dataclasses.field(default_factory=list)  # (group key, slot) now free
     evicted: list[tuple] = dataclasses.field(default_factory=list)  # group keys whose storage goes
     new_groups: list[tuple[tuple, tuple[int, int, int]]] = dataclasses.field(default_factory=list)  # (key, shape)
-    placed: list[Any] = dataclasses.field(default_factory=list)  # Requests, each with its group and slot
+    # Requests, each with its group and slot; a resumed one brings `request.parked`
+    placed: list[Any] = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)  # requests that ended at admission
 
 

@@ -1,11 +1,16 @@
 """A request inside the core and its state machine (torch-free).
 
     QUEUED ──admit──▶ RUNNING ──last step launched──▶ FINISHING ──fence, latents out──▶ DECODING ──decode_done──▶ DONE
-       │                 │                                 │
+       │              │  ▲                                 │
+       │   preempted, │  │ admitted again (any free slot of its group)
+       │  after fence ▼  │
+       │             PARKED (whole slot state in host memory, queued)
        └─cancel─▶ DONE   └─cancel / fail─▶ (stays until the fence of its last launch) ─▶ DONE
 
 `status` is where the request is; `ending` says why it stops early (a cancel or a
-failure), set at once and acted on at the next safe point.
+failure), set at once and acted on at the next safe point; `parking` marks a running
+request chosen to make room for a higher priority, parked once its last launch's fence
+is done.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # in a slot, gets a row in its group's next batch
     FINISHING = "finishing"  # last step launched, its fence pending
     DECODING = "decoding"  # final latents published; decode reservation held
+    PARKED = "parked"  # preempted: its slot's state in host memory, queued to resume
     DONE = "done"
 
 
@@ -60,7 +66,21 @@ class Request:
     work_ahead: int = 0  # evaluations queued ahead of it when it arrived (SRPT's aging bound)
     admitted_mark: int = 0  # the scheduler's admitted evaluations when it arrived
     steps_at_release: int = 0  # its slot's step index when the slot was released
+    parking: bool = False  # chosen to be parked: no new work, parked after its last launch's fence
+    parked: Any = None  # engine.core.storage.ParkedSlot while PARKED (the runner's copy of its slot)
+    parks: int = 0  # times it was parked
+    admitted_batch: int = 0  # the scheduler's batch count at its last (re)admission
+    parked_at: float = 0.0
     timings: Timings = dataclasses.field(default_factory=Timings)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def deadline(self) -> float | None:
+        """When it should be done (clock seconds), where the request gives a deadline."""
+        return None if self.params.deadline_s is None else self.arrival + self.params.deadline_s
 
     @property
     def rows_per_step(self) -> int:

@@ -60,6 +60,8 @@ class Scheduler:
         self.counters = collections.Counter()
         self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
         self._released: list[tuple[tuple, int]] = []  # slots freed since the last plan
+        self.seconds_per_eval = 0.0  # measured: a deadline's slack counts the remaining work at this rate
+        self._last_update: float | None = None
 
     # ---- requests in ----------------------------------------------------------------
 
@@ -86,7 +88,7 @@ class Scheduler:
             self.counters["canceled"] += 1
             self.counters["canceled_evals"] += request.timings.evals
             log.info("request %s canceled while %s", rid, request.status.value)
-            if request.status is RequestStatus.QUEUED:
+            if request.status in (RequestStatus.QUEUED, RequestStatus.PARKED):
                 self.queue.remove(request)
                 outputs.append(self.end(request))
             elif request.status is RequestStatus.RUNNING:
@@ -122,19 +124,37 @@ class Scheduler:
         return request.bypassed >= self.config.bypass_limit or \
             admitted_since > self.config.srpt_aging * (request.work_ahead + request.remaining_evals)
 
+    def starving(self, request: Request) -> bool:
+        """The lowest priorities still progress: past `priority_aging` × (the work queued
+        ahead of it when it arrived + its own) admitted while it waits, it goes first."""
+        admitted_since = self.admitted_evals - request.admitted_mark
+        return admitted_since > self.config.priority_aging * (request.work_ahead + request.remaining_evals)
+
+    def _order(self, position: int, request: Request) -> tuple:
+        """Admission order: the starving first (in arrival order); then higher priority
+        first; within a priority, requests with a deadline by least slack, then the others
+        by the policy (FIFO, or SRPT with its aging)."""
+        if self.starving(request):
+            return (0, 0, 0, position)
+        if request.deadline is not None:
+            slack = request.deadline - self.clock() - request.remaining_evals * self.seconds_per_eval
+            return (1, -request.priority, 0, slack)
+        if self.config.policy == "fifo" or self.aged(request):
+            return (1, -request.priority, 1, -1, position)
+        return (1, -request.priority, 1, request.remaining_evals, position)
+
     def _candidates(self) -> list[Request]:
-        """The queue in admission order: FIFO, or (srpt) the aged first in arrival order,
-        then least remaining evaluations first."""
-        if self.config.policy == "fifo":
-            return list(self.queue)
-        order = [(0, k) if self.aged(r) else (1, r.remaining_evals) for k, r in enumerate(self.queue)]
-        return [r for _, r in sorted(zip(order, self.queue), key=lambda pair: pair[0])]
+        keys = [self._order(k, r) for k, r in enumerate(self.queue)]
+        return [r for _, r in sorted(zip(keys, self.queue), key=lambda pair: pair[0])]
 
     def admit(self) -> AdmissionPlan:
-        """Place what fits at this step boundary. The plan also carries the slots freed
-        and the groups made or evicted since the last one, for the runner's storage."""
+        """Place what fits at this step boundary, parking running requests of a lower
+        priority where a higher one cannot be placed. The plan also carries the slots
+        parked and freed, and the groups made or evicted since the last one, for the
+        runner's storage."""
         plan = AdmissionPlan(released=self._released)
         self._released = []
+        self._park_ready(plan)
         if self.config.admission == "static" and any(g.active for g in self.groups.values()):
             return plan  # a new batch only when the last one is finished, as a pipeline call
         waiting_for_memory: list[Request] = []
@@ -146,11 +166,15 @@ class Scheduler:
             if key in full_groups:
                 continue  # FIFO within a group: once full, its later requests wait too
             group = self.groups.get(key) or self._new_group(key, request, plan)
-            slot = -1 if group is None or group.active >= self.slot_cap() else group.free_slot()
+            slot = self._free_slot(group)
+            if slot < 0 and group is not None and self._preempt_for(request, plan, group=group):
+                slot = self._free_slot(group)
             if slot < 0:
                 full_groups.add(key)
                 continue
-            if not self.ledger.fits(request.reservation) or not self._acquire_adapters(request, plan):
+            if not self._fits(request) and self._preempt_for(request, plan):
+                pass  # victims parked at once free their bytes; others when their fence is done
+            if not self._fits(request) or not self._acquire_adapters(request, plan):
                 if request.stopping:
                     continue  # its adapter cannot be loaded: it ended
                 waiting_for_memory.append(request)  # a known boundary: it waits, others may pass
@@ -159,10 +183,93 @@ class Scheduler:
                 waiting.bypassed += 1
             self.queue.remove(request)
             self.admitted_evals += request.remaining_evals
-            self.ledger.take(request.reservation)
+            if request.status is RequestStatus.PARKED:
+                self.ledger.resume(request.reservation)
+                request.timings.parked_s += self.clock() - request.parked_at
+                self.counters["resumed"] += 1
+            else:
+                self.ledger.take(request.reservation)
             self._place(request, group, slot)
             plan.placed.append(request)
         return plan
+
+    def _free_slot(self, group: SlotMap | None) -> int:
+        return -1 if group is None or group.active >= self.slot_cap() else group.free_slot()
+
+    def _fits(self, request: Request) -> bool:
+        if request.status is RequestStatus.PARKED:  # it kept its decode and output reservation
+            return self.ledger.fits_trajectory(request.reservation)
+        return self.ledger.fits(request.reservation)
+
+    # ---- preemption -------------------------------------------------------------------
+
+    def _preempt_for(self, request: Request, plan: AdmissionPlan, group: SlotMap | None = None) -> bool:
+        """Choose running requests of a lower priority to park so that `request` can be
+        placed: one slot of `group`, or (no group) its trajectory bytes. Victims whose
+        last launch is done are parked now (True: something was freed in this plan); the
+        others once their fence is done, while `request` waits. Nothing is chosen while
+        earlier victims are still on their way out (no thrash)."""
+        c = self.config
+        if not c.preemption or c.admission == "static" or any(
+                r.parking for g in self.groups.values() for r in g.requests if r is not None):
+            return False
+        pool = [group] if group is not None else list(self.groups.values())
+        eligible = sorted(
+            (r for g in pool for r in g.requests
+             if r is not None and r.status is RequestStatus.RUNNING and not r.stopping
+             and r.priority < request.priority and r.parks < c.max_preemptions
+             and self.batches - r.admitted_batch >= c.preempt_min_steps
+             and self.ledger.can_park(r.reservation)),
+            key=lambda r: (r.priority, -r.remaining_evals))
+        need = 1 if group is not None else (self.ledger.used.trajectory_bytes + request.reservation.trajectory_bytes
+                                            - self.ledger.capacity.trajectory_bytes)
+        victims, freed = [], 0
+        for victim in eligible:
+            if freed >= need:
+                break
+            victims.append(victim)
+            freed += 1 if group is not None else victim.reservation.trajectory_bytes
+        if freed < need or not victims:
+            return False
+        for victim in victims:
+            victim.parking = True
+            victim.group.runnable[victim.slot] = False
+            log.info("request %s (priority %d) to be parked for %s (priority %d)", victim.request_id,
+                     victim.priority, request.request_id, request.priority)
+        return self._park_ready(plan) > 0
+
+    def _park_ready(self, plan: AdmissionPlan) -> int:
+        """Park every chosen victim whose last launch's fence is done; returns how many."""
+        parked = 0
+        for group in list(self.groups.values()):
+            for slot, request in enumerate(group.requests):
+                if request is None or not request.parking:
+                    continue
+                fence = group.last_fence[slot]
+                if request.stopping:  # canceled or failed meanwhile: it drains as any other
+                    request.parking = False
+                    continue
+                if fence is not None and not fence.done():
+                    continue
+                self._park(request, plan)
+                parked += 1
+        return parked
+
+    def _park(self, request: Request, plan: AdmissionPlan) -> None:
+        group, slot = request.group, request.slot
+        plan.parked.append((group.key, slot, request))
+        group.release(slot)  # the runner parks the slot's storage before anything reuses it
+        self.ledger.park(request.reservation)
+        request.parking = False
+        request.status = RequestStatus.PARKED
+        request.parks += 1
+        request.timings.preemptions += 1
+        request.parked_at = self.clock()
+        self.queue.append(request)
+        self.counters["preemptions"] += 1
+        self.counters["parked_bytes_total"] += request.reservation.trajectory_bytes
+        log.info("request %s parked at step %d (epoch now %d)", request.request_id, request.steps_at_release,
+                 group.epoch[slot])
 
     def _acquire_adapters(self, request: Request, plan: AdmissionPlan) -> bool:
         """Make the request's adapters resident and reference them; False when they cannot
@@ -214,8 +321,13 @@ class Scheduler:
         return outputs
 
     def _place(self, request: Request, group: SlotMap, slot: int) -> None:
-        group.place(request, slot)
+        resumed = request.status is RequestStatus.PARKED
+        group.place(request, slot, request.steps_at_release if resumed else 0)
         request.status = RequestStatus.RUNNING
+        request.admitted_batch = self.batches
+        if resumed:
+            log.info("request %s resumed in slot %d at step %d", request.request_id, slot, request.steps_at_release)
+            return
         request.admitted_at = self.clock()  # moved past its encode pass by the preparation phase
         request.timings.queue_s = request.admitted_at - request.arrival
         log.info("request %s admitted to slot %d (epoch %d)", request.request_id, slot, group.epoch[slot])
@@ -241,6 +353,11 @@ class Scheduler:
         group = self.groups[plan.key]
         self.batches += 1
         group.last_served = self.batches
+        now = self.clock()
+        if self._last_update is not None and outcome.useful_rows:
+            rate = (now - self._last_update) / outcome.useful_rows
+            self.seconds_per_eval = rate if not self.seconds_per_eval else 0.9 * self.seconds_per_eval + 0.1 * rate
+        self._last_update = now
         if outcome.row_limit is not None:
             self.row_limit, self._batches_at_limit = outcome.row_limit, 0
             self.counters["oom_splits"] += 1
@@ -298,7 +415,14 @@ class Scheduler:
     def end(self, request: Request):
         """End a request that never reaches the decode stage (canceled or failed); returns
         its output message."""
-        if request.status is not RequestStatus.QUEUED:  # a queued request holds no reservation yet
+        if request.status is RequestStatus.PARKED:  # its slot state is on the host
+            self.ledger.drop_parked(request.reservation)
+            self.ledger.give_back_decode(request.reservation)
+            request.parked = None
+            if request.adapters and self.adapters is not None:
+                self.adapters.release(request.adapters)
+                request.adapters = ()
+        elif request.status is not RequestStatus.QUEUED:  # a queued request holds no reservation yet
             self.ledger.give_back_trajectory(request.reservation)
             self.ledger.give_back_decode(request.reservation)
         timings = self.final_timings(request)
@@ -351,4 +475,9 @@ class Scheduler:
             "reserved_trajectory_bytes": self.ledger.used.trajectory_bytes,
             "reserved_output_bytes": self.ledger.used.output_bytes,
             "reserved_decode_buffers": self.ledger.used.decode_buffers,
+            "preemptions": c["preemptions"],
+            "resumed": c["resumed"],
+            "parked_requests": sum(r.status is RequestStatus.PARKED for r in self.queue),
+            "parked_bytes": self.ledger.parked_used,
+            "parked_bytes_total": c["parked_bytes_total"],
         }

@@ -37,10 +37,11 @@ class SlotMap:
                 return slot
         return -1
 
-    def place(self, request, slot: int) -> None:
+    def place(self, request, slot: int, step: int = 0) -> None:
+        """`step`: where a parked request resumes (0 for a new one)."""
         self.requests[slot] = request
         self.runnable[slot] = True
-        self.step_index[slot] = 0
+        self.step_index[slot] = step
         request.group, request.slot = self, slot
 
     def release(self, slot: int) -> None:
