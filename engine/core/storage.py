@@ -101,9 +101,9 @@ class SlotStorage:
     def park(self, slot: int) -> "ParkedSlot":
         """The slot's whole state in host memory (call after the fence of its last launch):
         what `unpark` needs to go on in any slot of storage with the same key."""
-        rows = {name: table[2 * slot: 2 * slot + 2].to("cpu", copy=True) for name, table in self.request_inputs.items()}
+        rows = {name: to_host(table[2 * slot: 2 * slot + 2]) for name, table in self.request_inputs.items()}
         return ParkedSlot(
-            latents=self.latents[slot].to("cpu", copy=True), history=self.history[slot].to("cpu", copy=True),
+            latents=to_host(self.latents[slot]), history=to_host(self.history[slot]),
             tables=(self.two_rows[slot], self.stochastic[slot], self.generic[slot], self.coef_table[slot].copy(),
                     self.timestep_table[slot].copy(), self.divisor_table[slot].copy(), self.channels_last[slot]),
             conditioning=tuple(None if c is None else _moved(c, "cpu") for c in self.conditioning[slot]), rows=rows,
@@ -123,12 +123,22 @@ class SlotStorage:
             state.place(slot, value)
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory: page-locked and asynchronous from a CUDA tensor (ordered on the
+    stream before anything that later writes the slot), a plain copy from a CPU one."""
+    if not tensor.is_cuda:
+        return tensor.to("cpu", copy=True)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 def _moved(conditioning, device):
     """A copy of prompt rows on `device` (the host while parked: the cache's own entry may be
     evicted meanwhile, and its device bytes are not the parked request's to hold)."""
+    move = to_host if torch.device(device).type == "cpu" else (lambda t: t.to(device, copy=True))
     pooled = conditioning.pooled
-    return dataclasses.replace(conditioning, hidden=conditioning.hidden.to(device, copy=True),
-                               pooled=None if pooled is None else pooled.to(device, copy=True))
+    return dataclasses.replace(conditioning, hidden=move(conditioning.hidden),
+                               pooled=None if pooled is None else move(pooled))
 
 
 @dataclasses.dataclass

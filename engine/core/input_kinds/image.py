@@ -32,7 +32,7 @@ import numpy as np
 from engine.core.input_kinds.base import InputKind
 from engine.core.kernels import blend_known_region
 from engine.core.outputs import RequestRejected
-from engine.core.storage import upload
+from engine.core.storage import to_host, upload
 
 log = logging.getLogger("diffslot.core")
 
@@ -260,8 +260,8 @@ class KnownRegionState:
 
     def park(self, slot: int) -> KnownRegion:
         shape = self.storage.latent_shape
-        return KnownRegion(self.image_latents[slot].to("cpu", copy=True), self.noise[slot].to("cpu", copy=True),
-                           self.mask[slot].view(shape)[:1].to("cpu", copy=True), self.noising_table[slot].copy())
+        return KnownRegion(to_host(self.image_latents[slot]), to_host(self.noise[slot]),
+                           to_host(self.mask[slot].view(shape)[:1]), self.noising_table[slot].copy())
 
 
 # ---- the image-encode phase ---------------------------------------------------------------
