@@ -132,7 +132,7 @@ class EngineCore:
         """Reap, admit and prepare, run one batch for one group, reap; return outputs."""
         outputs, self._pending = self._pending, []
         outputs += self.reaper.reap()
-        outputs += self._admit()
+        outputs += self._carry_out(self.scheduler.admit())
         plan = self.scheduler.next_step()
         if plan is not None and (self.window is None or self.window.wait_for_room()):
             outputs += self._run(plan)
@@ -145,13 +145,12 @@ class EngineCore:
         """Admission at a step boundary and the preparation of what it placed; returns the
         requests placed (their outputs, if any ended, come with the next `step()`)."""
         plan = self.scheduler.admit()
-        self._pending += self._apply(plan)
+        self._pending += self._carry_out(plan)
         return plan.placed
 
-    def _admit(self) -> list:
-        return self._apply(self.scheduler.admit())
-
-    def _apply(self, plan) -> list:
+    def _carry_out(self, plan) -> list:
+        """An admission plan through the storage, the preparation phase and placement;
+        returns the outputs of the requests that ended on the way."""
         outputs = list(plan.outputs)
         for key, error in self.runner.apply(plan).items():
             outputs += self.scheduler.storage_failed(key, error)
