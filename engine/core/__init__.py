@@ -1,8 +1,10 @@
-"""The denoising core: `EngineCore` (slot table, admission, the reaper), the solvers, the
-fused update kernel and the fences. Pure: no sockets, threads or signals.
+"""The denoising core: `EngineCore`, a conductor over the scheduler (`scheduling/`, what
+runs), the per-request input kinds (`input_kinds/`), the runner and its slot storage (how),
+and the reaper (fences). Pure: no sockets, threads or signals.
 
 Names load lazily so that importing a torch-free module of this package
-(`engine.core.outputs`, `engine.core.config`, `engine.core.interface`) does not import torch.
+(`engine.core.outputs`, `engine.core.config`, `engine.core.interface`, `engine.core.scheduling`)
+does not import torch.
 """
 from __future__ import annotations
 
