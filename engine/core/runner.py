@@ -226,7 +226,8 @@ class Runner:
         return StepOutcome(fence=fence, advanced=batch.slots, useful_rows=batch.useful_rows,
                            padded_rows=batch.padded_rows, previews=previews, finite=finite,
                            failed={slot: f"{type(error).__name__}: {error}" for slot, error in culprits.items()},
-                           row_limit=self._row_limit if self._row_limit_changed else None)
+                           row_limit=self._row_limit if self._row_limit_changed else None,
+                           step_seconds=self.timer.poll())
 
     def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once

@@ -56,3 +56,4 @@ class StepOutcome:
     previews: dict[int, Any]  # slot → the x0 estimate after this step, where a preview is due
     finite: Any  # per-slot finite flags of the group's latents, read only after `fence`
     row_limit: int | None = None  # set when the device ran out of memory: the rows per call that fit
+    step_seconds: float = 0.0  # the device's recent time per step (a moving average)

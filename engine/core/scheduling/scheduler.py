@@ -61,7 +61,6 @@ class Scheduler:
         self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
         self._released: list[tuple[tuple, int]] = []  # slots freed since the last plan
         self.seconds_per_eval = 0.0  # measured: a deadline's slack counts the remaining work at this rate
-        self._last_update: float | None = None
 
     # ---- requests in ----------------------------------------------------------------
 
@@ -353,11 +352,8 @@ class Scheduler:
         group = self.groups[plan.key]
         self.batches += 1
         group.last_served = self.batches
-        now = self.clock()
-        if self._last_update is not None and outcome.useful_rows:
-            rate = (now - self._last_update) / outcome.useful_rows
-            self.seconds_per_eval = rate if not self.seconds_per_eval else 0.9 * self.seconds_per_eval + 0.1 * rate
-        self._last_update = now
+        if outcome.useful_rows and outcome.step_seconds:
+            self.seconds_per_eval = outcome.step_seconds / outcome.useful_rows
         if outcome.row_limit is not None:
             self.row_limit, self._batches_at_limit = outcome.row_limit, 0
             self.counters["oom_splits"] += 1
