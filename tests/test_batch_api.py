@@ -243,7 +243,7 @@ class Receiver(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers["content-length"]))
-        type(self).calls.append((dict(self.headers), body, time.monotonic()))
+        type(self).calls.append(({k.lower(): v for k, v in self.headers.items()}, body, time.monotonic()))
         self.send_response(500 if len(type(self).calls) <= type(self).fail_first else 200)
         self.send_header("content-length", "0")
         self.end_headers()
