@@ -47,7 +47,7 @@ from engine.protocol import Completed, frame_field_descriptions
 from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
 from frontend.http.batch_runner import BatchRunner
-from frontend.http.batches import FILES_PATH, add_batch_routes
+from frontend.http.batches import BATCH_SCHEMAS, FILES_PATH, add_batch_routes
 from frontend.http.callers import EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body
 from frontend.http.engine_calls import generate_all, internal_error, outcome_error, request_id
 from frontend.http.errors import APIError, bad_request, engine_unavailable
@@ -56,12 +56,12 @@ from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
 from frontend.http.options import BatchOptions, GatewayLimits, StoreOptions
 from frontend.http.priorities import PRIORITY_HEADER, PriorityPolicy
-from frontend.http.webhooks import WebhookSender, webhook_secret
 from frontend.http.schemas import (
-    ErrorResponse, Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList,
-    check_fits, completed_event, images_response, models_response, openapi_components, parse_edit,
+    Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList, check_fits,
+    completed_event, error_responses, images_response, models_response, ok_response, openapi_components, parse_edit,
     parse_generation, partial_image_event, schema_ref,
 )
+from frontend.http.webhooks import WebhookSender, webhook_secret
 
 log = logging.getLogger("diffslot.http")
 
@@ -191,26 +191,6 @@ class EventStreamResponse(Response):
 # --------------------------------------------------------------------------- the app
 
 
-def _error_responses(*statuses: int) -> dict:
-    descriptions = {
-        400: "A malformed body, or a value the engine cannot take (`param` names it; also a request "
-             "whose images could never fit in a caller's output budget: `n`, `size` or `partial_images`)",
-        401: "A missing or wrong API key (only when the server has API keys)",
-        404: "An unknown model",
-        413: "The request body is larger than the server's limit",
-        429: "This caller's rate limit, or the engine's queue or this caller's share of it is full "
-             "(`Retry-After`)",
-        500: "The engine could not finish the request; details in the server's log under the request id",
-        503: "No engine is reachable, or the engine is draining",
-    }
-    error = {"application/json": {"schema": schema_ref(ErrorResponse)}}
-    return {status: {"description": descriptions[status], "content": error} for status in statuses}
-
-
-def _ok(description: str, content: dict) -> dict:
-    return {200: {"description": description, "content": content}}
-
-
 def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_link: bool = True,
                store: StoreOptions | None = None, batch: BatchOptions | None = None) -> FastAPI:
     """The gateway around `link`, enforcing `limits` (default: GatewayLimits' defaults).
@@ -266,7 +246,12 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                  description="OpenAI's images API, served by a diffslot engine")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components(BATCH_SCHEMAS))
+            for operations in schema["paths"].values():  # FastAPI's 422: the gateway answers 400 instead
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(unused, None)
             if api_keys:
                 schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, operations in schema["paths"].items():
@@ -309,7 +294,7 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
 
     body_doc = {"requestBody": {"required": True,
                                 "content": {"application/json": {"schema": schema_ref(ImageGenerationRequest)}}}}
-    images_ok = _ok("The images (or, with `stream`, server-sent image events)",
+    images_ok = ok_response("The images (or, with `stream`, server-sent image events)",
                     {"application/json": {"schema": schema_ref(ImagesResponse)},
                      "text/event-stream": {"schema": {"type": "string"}}})
 
@@ -320,14 +305,14 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
                            for name, description in frame_field_descriptions().items()}}]}}}}}
 
     @app.post("/v1/images/generations", openapi_extra=body_doc,
-              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
+              responses={**images_ok, **error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def generations(request: Request) -> Response:
         body = await read_body(request, limits.max_body_bytes)
         await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
         return await serve(request, parse_generation(body, link.models))
 
     @app.post(EDITS_PATH, openapi_extra=edit_doc,
-              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
+              responses={**images_ok, **error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def edits(request: Request) -> Response:
         body = await read_body(request, limits.max_upload_bytes)
         await link.client()
@@ -363,8 +348,8 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
 
     add_batch_routes(app, state, link, limits, batch, webhooks is not None, runner.wake)
 
-    @app.get("/v1/models", responses={**_ok("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
-                                      **_error_responses(401, 429, 503)})
+    @app.get("/v1/models", responses={**ok_response("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
+                                      **error_responses(401, 429, 503)})
     async def models() -> Response:
         client = await link.client()
         try:
@@ -375,8 +360,8 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
             raise engine_unavailable("the engine did not answer in time") from None
         return Response(models_response(link.models[:1], link.created, adapters), media_type=JSON)
 
-    @app.get("/health", responses={**_ok("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
-                                   **_error_responses(503)})
+    @app.get("/health", responses={**ok_response("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
+                                   **error_responses(503)})
     async def health() -> Response:
         try:
             await link.client()
@@ -389,7 +374,7 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         return Response(json.dumps({"status": "ok", "engine_pid": welcome.engine_pid, "model": link.models[0]}),
                         media_type=JSON)
 
-    @app.get("/metrics", responses=_ok("The gateway's Prometheus metrics",
+    @app.get("/metrics", responses=ok_response("The gateway's Prometheus metrics",
                                        {"text/plain": {"schema": {"type": "string"}}}))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import mimetypes
+from typing import Annotated
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -32,7 +33,9 @@ from frontend.http.job_store import batch_object, file_object, new_id
 from frontend.http.link import EngineLink
 from frontend.http.options import BatchOptions, GatewayLimits
 from frontend.http.output_store import LOCAL_LINK_PREFIX, LocalStore, checked_name
-from frontend.http.schemas import check_fits, decode_error, form_parts, parse_generation
+from frontend.http.schemas import (
+    check_fits, decode_error, error_responses, form_parts, ok_response, parse_generation, schema_ref,
+)
 
 FILES_PATH = "/v1/files"
 BATCH_ENDPOINTS = ("/v1/images/generations",)
@@ -45,14 +48,101 @@ JSON = "application/json"
 
 
 class BatchCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
-    output_expires_after: dict | None = None
+    input_file_id: Annotated[str, msgspec.Meta(description="A 'batch' file (POST /v1/files): one request a line.")]
+    endpoint: Annotated[str, msgspec.Meta(description="The route every line calls.",
+                                          extra_json_schema={"enum": list(BATCH_ENDPOINTS)})]
+    completion_window: Annotated[str, msgspec.Meta(description="Lines not run within it end as 'batch_expired'.",
+                                                   extra_json_schema={"enum": list(COMPLETION_WINDOWS)})]
+    metadata: Annotated[dict[str, str] | None, msgspec.Meta(
+        description="Up to 16 pairs; 'webhook_url' asks for a signed POST when the batch ends (only to URLs the "
+                    "server allows).")] = None
+    output_expires_after: Annotated[dict | None, msgspec.Meta(description="Not supported: outputs are kept until "
+                                                                          "deleted.")] = None
 
 
 _batch_decoder = msgspec.json.Decoder(BatchCreateRequest)
+
+
+# the responses, for the OpenAPI document only: the routes encode job_store's dicts (the same fields)
+class FileObject(msgspec.Struct):
+    id: str
+    object: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    expires_at: int | None
+    status_details: str | None
+
+
+class FileList(msgspec.Struct):
+    object: str
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(msgspec.Struct):
+    id: str
+    object: str
+    deleted: bool
+
+
+class RequestCounts(msgspec.Struct):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(msgspec.Struct):
+    id: str
+    object: str
+    endpoint: str
+    errors: dict | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(msgspec.Struct):
+    object: str
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+BATCH_SCHEMAS = (BatchCreateRequest, FileObject, FileList, FileDeleted, Batch, BatchList)
+
+
+def _doc(description: str, struct: type, *errors: int, notes: dict[int, str] | None = None) -> dict:
+    return {**ok_response(description, {JSON: {"schema": schema_ref(struct)}}), **error_responses(*errors, notes=notes)}
+
+
+FILE_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary", "description": "The batch's JSONL"},
+                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+BATCH_BODY = {"requestBody": {"required": True, "content": {JSON: {"schema": schema_ref(BatchCreateRequest)}}}}
+NOTES = {400: "A malformed request or input file (`param` names it: `input_file_id` with the line)",
+         413: "The request body is larger than the server's limit (--max-file-bytes for files, else "
+              "--max-body-bytes; any /v1 route refuses a body over its limit)",
+         404: "No such file or batch of this caller's", 429: "This caller's rate limit, or too many batches at once"}
 
 
 def _json(body: dict, status: int = 200) -> Response:
@@ -110,7 +200,8 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
         return row
 
     # ------------------------------------------------------------------ files
-    @app.post(FILES_PATH)
+    @app.post(FILES_PATH, openapi_extra=FILE_FORM,
+              responses=_doc("The uploaded file", FileObject, 400, 401, 413, 429, notes=NOTES))
     async def create_file(request: Request) -> Response:
         body = await read_body(request, limits.max_file_bytes)
         purpose, upload = None, None
@@ -139,7 +230,7 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
                                   file_id)
         return _json(file_object(row))
 
-    @app.get(FILES_PATH)
+    @app.get(FILES_PATH, responses=_doc("This caller's files", FileList, 400, 401, 413, 429, notes=NOTES))
     async def list_files(request: Request) -> Response:
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -149,18 +240,21 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
                                            descending=order == "desc")
         return _list([file_object(r) for r in rows], more)
 
-    @app.get(FILES_PATH + "/{file_id}")
+    @app.get(FILES_PATH + "/{file_id}", responses=_doc("The file", FileObject, 401, 404, 413, 429, notes=NOTES))
     async def retrieve_file(request: Request, file_id: str) -> Response:
         return _json(file_object(file_or_404(request, file_id)))
 
-    @app.delete(FILES_PATH + "/{file_id}")
+    @app.delete(FILES_PATH + "/{file_id}", responses=_doc("Deleted", FileDeleted, 401, 404, 413, 429, notes=NOTES))
     async def delete_file(request: Request, file_id: str) -> Response:
         row = file_or_404(request, file_id)
         state.jobs.delete_file(row["owner"], file_id)
         await asyncio.to_thread(state.store.delete, row["object"])
         return _json({"id": file_id, "object": "file", "deleted": True})
 
-    @app.get(FILES_PATH + "/{file_id}/content")
+    @app.get(FILES_PATH + "/{file_id}/content", responses={
+        **ok_response("The file's bytes", {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}),
+        **error_responses(401, 404, 413, 429, notes=NOTES)})
     async def file_content(request: Request, file_id: str) -> Response:
         row = file_or_404(request, file_id)
         try:
@@ -170,7 +264,8 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
         return Response(data, media_type="application/octet-stream")
 
     # ------------------------------------------------------------------ batches
-    @app.post("/v1/batches")
+    @app.post("/v1/batches", openapi_extra=BATCH_BODY,
+              responses=_doc("The batch, validating", Batch, 400, 401, 413, 429, 503, notes=NOTES))
     async def create_batch(request: Request) -> Response:
         raw = await read_body(request, limits.max_body_bytes)
         try:
@@ -222,16 +317,18 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
         wake_runner()
         return _json(batch_object(row))
 
-    @app.get("/v1/batches")
+    @app.get("/v1/batches", responses=_doc("This caller's batches, newest first", BatchList, 400, 401, 413, 429,
+                                            notes=NOTES))
     async def list_batches(request: Request) -> Response:
         rows, more = state.jobs.list_batches(owner(request), request.query_params.get("after"), _limit(request))
         return _list([batch_object(r) for r in rows], more)
 
-    @app.get("/v1/batches/{batch_id}")
+    @app.get("/v1/batches/{batch_id}", responses=_doc("The batch", Batch, 401, 404, 413, 429, notes=NOTES))
     async def retrieve_batch(request: Request, batch_id: str) -> Response:
         return _json(batch_object(batch_or_404(request, batch_id)))
 
-    @app.post("/v1/batches/{batch_id}/cancel")
+    @app.post("/v1/batches/{batch_id}/cancel",
+              responses=_doc("The batch, cancelling", Batch, 401, 404, 409, 413, 429, notes=NOTES))
     async def cancel_batch(request: Request, batch_id: str) -> Response:
         row = batch_or_404(request, batch_id)
         row = state.jobs.cancel_batch(row["owner"], batch_id)
@@ -242,7 +339,9 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
         return _json(batch_object(row))
 
     # ------------------------------------------------------------------ signed links
-    @app.get(LOCAL_LINK_PREFIX + "{name:path}")
+    @app.get(LOCAL_LINK_PREFIX + "{name:path}", responses={
+        **ok_response("The image or file", {"image/png": {"schema": {"type": "string", "format": "binary"}}}),
+        **error_responses(403, 404, notes={404: "No such output (it may have expired)"})})
     async def output_link(request: Request, name: str) -> Response:
         store = state.store
         query = request.query_params

@@ -522,13 +522,39 @@ class Health(msgspec.Struct):
 SCHEMA_REF = "#/components/schemas/{name}"
 
 
-def openapi_components() -> dict[str, dict]:
-    """`components.schemas` of the gateway's OpenAPI document."""
+def openapi_components(more: tuple[type, ...] = ()) -> dict[str, dict]:
+    """`components.schemas` of the gateway's OpenAPI document (`more`: other routes' structs)."""
     _, components = msgspec.json.schema_components(
-        [ImageGenerationRequest, ImageEditRequest, ErrorResponse, ImagesResponse, ModelList, Health],
+        [ImageGenerationRequest, ImageEditRequest, ErrorResponse, ImagesResponse, ModelList, Health, *more],
         ref_template=SCHEMA_REF)
     return components
 
 
 def schema_ref(struct: type) -> dict:
     return {"$ref": SCHEMA_REF.format(name=struct.__name__)}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "A malformed body, or a value the engine cannot take (`param` names it; also a request "
+         "whose images could never fit in a caller's output budget: `n`, `size` or `partial_images`)",
+    401: "A missing or wrong API key (only when the server has API keys)",
+    403: "The link's signature is wrong or it has expired",
+    404: "An unknown model",
+    409: "The object is in a state that does not allow this",
+    413: "The request body is larger than the server's limit",
+    429: "This caller's rate limit, or the engine's queue or this caller's share of it is full "
+         "(`Retry-After`)",
+    500: "The engine could not finish the request; details in the server's log under the request id",
+    503: "No engine is reachable, or the engine is draining",
+}
+
+
+def error_responses(*statuses: int, notes: dict[int, str] | None = None) -> dict:
+    """OpenAPI `responses` for these error statuses (`notes`: a route's own descriptions)."""
+    error = {"application/json": {"schema": schema_ref(ErrorResponse)}}
+    descriptions = {**ERROR_DESCRIPTIONS, **(notes or {})}
+    return {status: {"description": descriptions[status], "content": error} for status in statuses}
+
+
+def ok_response(description: str, content: dict) -> dict:
+    return {200: {"description": description, "content": content}}
