@@ -223,11 +223,13 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         # while the engine is still loading its model
         if own_link:
             link.start()
-        if state.exists:  # jobs a previous gateway left unfinished resume now
-            state.open()
+        # jobs left unfinished by a previous gateway resume now; jobs that another gateway
+        # on the same state dir creates later (a Ray replica's) are noticed when they appear
+        watcher = asyncio.ensure_future(state.open_when_it_exists())
         try:
             yield
         finally:
+            watcher.cancel()
             await runner.close()
             state.close()
             if own_link:

@@ -39,6 +39,14 @@ class GatewayState:
     def is_open(self) -> bool:
         return self._jobs is not None
 
+    async def open_when_it_exists(self, poll_s: float = 1.0) -> None:
+        """Open the state dir as soon as it holds a job database."""
+        while not self.is_open:
+            if self.exists:
+                self.open()
+                return
+            await asyncio.sleep(poll_s)
+
     def open(self) -> None:
         if self._jobs is not None:
             return
