@@ -113,7 +113,7 @@ def test_priority_classes_per_key_at_the_gateway(engine, tmp_path):
 @pytest.mark.timeout(180)
 def test_batch_end_to_end_with_the_openai_client(engine, tmp_path):
     with gateway(engine.address, "--state-dir", str(tmp_path), *(f"--api-key={k}" for k in KEYS),
-                 "--max-batch-lines", "6", "--max-file-bytes", "20000") as gw:
+                 "--max-batch-lines", "6", "--max-file-bytes", "20000", "--max-files-per-key", "8") as gw:
         client, other = gw.openai(KEYS[0]), gw.openai(KEYS[1])
         data = batch_file({"prompt": "a red circle", "steps": 2, "seed": 5},
                           {"prompt": "a blue square", "steps": 3, "n": 2, "size": "16x16"},
@@ -185,6 +185,11 @@ def test_batch_end_to_end_with_the_openai_client(engine, tmp_path):
         with pytest.raises(openai.APIStatusError) as info:
             upload(client, b"x" * 30000)
         assert info.value.status_code == 413
+        upload(client, batch_file({"prompt": "a red circle"}))  # the 8th file this key keeps
+        with pytest.raises(openai.BadRequestError) as info:
+            upload(client, batch_file({"prompt": "a red circle"}))
+        assert info.value.body["code"] == "too_many_files"
+        upload(other, batch_file({"prompt": "a red circle"}))  # another key has its own count
 
 
 @pytest.mark.timeout(180)

@@ -224,6 +224,9 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
         if upload is None or not upload[1]:
             raise bad_request("Missing required parameter: 'file' (the batch's JSONL, as a file).", "file",
                               "missing_required_parameter")
+        if state.jobs.count_files(owner(request)) >= options.max_files_per_key:
+            raise bad_request(f"This server keeps at most {options.max_files_per_key} files per API key; delete some "
+                              f"(DELETE /v1/files/ID) first.", "file", "too_many_files")
         file_id = new_id("file-")
         await asyncio.to_thread(state.store.put, f"files/{file_id}", upload[1], "application/jsonl")
         row = state.jobs.add_file(owner(request), purpose, upload[0][:255], len(upload[1]), f"files/{file_id}",

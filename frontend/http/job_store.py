@@ -103,6 +103,9 @@ class JobStore:
                         (file_id, owner, purpose, filename, nbytes, created, expires_at, object_name))
         return self.get_file(owner, file_id)
 
+    def count_files(self, owner: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM files WHERE owner = ?", (owner,)).fetchone()[0]
+
     def get_file(self, owner: str, file_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
         return dict(row) if row else None

@@ -116,6 +116,10 @@ class BatchOptions:
 
     max_batch_lines: int = dataclasses.field(default=5000, metadata=cli(
         "--max-batch-lines", metavar="N", help="requests in one batch's input file; more get 400"))
+    max_files_per_key: int = dataclasses.field(default=1000, metadata=cli(
+        "--max-files-per-key", metavar="N",
+        help="files one API key (or, without keys, everyone) may keep, outputs included; past it uploads get 400 "
+             "until some are deleted"))
     max_active_batches: int = dataclasses.field(default=32, metadata=cli(
         "--max-active-batches", metavar="N",
         help="batches not yet ended, over all callers of the state dir; past it batches.create gets 429"))
