@@ -355,3 +355,44 @@ def test_outputs_in_s3_with_presigned_links(engine, tmp_path, moto_s3):
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="outputs", Prefix="gw/")["Contents"]]
     assert collections.Counter(k.split("/")[1] for k in keys) == {"images": 1, "files": 2}  # input and output
     assert not (tmp_path / "outputs").exists()  # nothing went to the local store
+
+
+# ----------------------------------------------------------------------------- the job store alone
+
+
+def test_job_store_claims_expiry_and_a_dead_runners_lines(tmp_path):
+    from frontend.http.job_store import JobStore
+
+    def store(runner: str) -> JobStore:
+        return JobStore(tmp_path / "jobs.sqlite", runner_id=runner)
+
+    first, second = store("here:1"), store("here:2")
+    lines = [(f"req-{i}", "{}") for i in range(4)]
+    batch = first.create_batch(owner="o", caller="c", endpoint="/v1/images/generations", input_file_id="f",
+                               completion_window="24h", window_s=3600, metadata=None, base_url="http://x/",
+                               webhook_url=None, lines=lines, refused={3: "refused"}, max_active=1)
+    assert batch["status"] == "validating" and batch["failed"] == 1
+    assert first.create_batch(owner="o", caller="c", endpoint="e", input_file_id="f", completion_window="24h",
+                              window_s=1, metadata=None, base_url="", webhook_url=None, lines=lines, refused={},
+                              max_active=1) is None  # one active batch at most
+    first.start_batches()
+    assert [r["line"] for r in first.claim_lines(2)] == [0, 1] and [r["line"] for r in second.claim_lines(5)] == [2]
+    assert second.finish_line(batch["id"], 2, True, "ok-2") and not first.finish_line(batch["id"], 2, True, "again")
+    # the first runner goes silent: its claims return to the queue for the second
+    first.db.execute("INSERT OR REPLACE INTO runners VALUES ('here:1', 'elsewhere', 1, 0)")
+    second.beat()
+    assert sorted(r["line"] for r in second.claim_lines(5)) == [0, 1]
+    assert not first.finish_line(batch["id"], 0, True, "too late")  # it no longer holds the line
+    assert second.finish_line(batch["id"], 0, True, "ok-0")
+    # the window ends with line 1 still claimed: nothing finalizes until it is handed back
+    second.db.execute("UPDATE batches SET expires_at = 0")
+    second.expire_batches()
+    assert second.get_batch("o", batch["id"])["status"] == "finalizing" and second.claim_finalize() is None
+    second.release_lines([(batch["id"], 1)])
+    claimed = second.claim_finalize()
+    assert claimed["id"] == batch["id"] and claimed["ending"] == "expired"
+    second.close_unfinished(batch["id"], lambda custom_id: f"expired-{custom_id}")
+    assert second.results(batch["id"], True) == ["ok-0", "ok-2"]
+    assert second.results(batch["id"], False) == ["expired-req-1", "refused"]
+    ended = second.end_batch(batch["id"], "expired", "file-out", "file-err")
+    assert ended["status"] == "expired" and (ended["completed"], ended["failed"]) == (2, 2) and ended["expired_at"]
