@@ -148,6 +148,9 @@ def test_batch_end_to_end_with_the_openai_client(engine, tmp_path):
         assert httpx.get(url.split("?")[0]).status_code == 403
 
         # lists, and another key sees none of it
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'diffslot_http_batch_lines_total{outcome="completed"} 3.0' in metrics
+        assert 'diffslot_http_batch_lines_total{outcome="failed"} 1.0' in metrics  # the engine's; one refused at once
         assert [b.id for b in client.batches.list()] == [batch.id]
         assert {f.id for f in client.files.list()} == {uploaded.id, done.output_file_id, done.error_file_id}
         assert [f.purpose for f in client.files.list(purpose="batch")] == ["batch"]

@@ -140,7 +140,8 @@ class BatchRunner:
         jobs = self.state.jobs
         try:
             ok, result = await self._generate(jobs.get_batch(None, row["batch_id"]), row)
-            jobs.finish_line(row["batch_id"], row["line"], ok, result)
+            if jobs.finish_line(row["batch_id"], row["line"], ok, result):
+                self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
         except asyncio.CancelledError:
             jobs.release_lines([key])  # its batch is ending, or the gateway stops: someone else decides
             raise
