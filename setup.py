@@ -36,8 +36,9 @@ setup(
     ],
     extras_require={
         "ray": ["ray[serve]>=2.60"],  # frontend.ray_app: scale-out on Ray Serve
+        "s3": ["boto3"],  # the gateway's output store on S3-compatible object storage (--output-store s3://...)
         "dev": ["pytest", "pytest-timeout", "pytest-benchmark", "hypothesis", "matplotlib", "selenium>=4.11",
-                "openai>=1.80", "httpx", "ray[serve]>=2.60"],
+                "openai>=1.80", "httpx", "ray[serve]>=2.60", "boto3", "moto[server]>=5"],
     },
     entry_points={"console_scripts": ["diffslot=engine.__main__:main"]},
 )

@@ -21,10 +21,16 @@ CUDA_VISIBLE_DEVICES for the replica, and the engine inherits it).
   at once, freeing the GPU for the replacement, rather than draining. A replica
   stopped gracefully drains its engine (SIGTERM) for at most `engine_drain_s`; one
   whose engine is already unreachable stops it at once.
-* Gateway limits (`GatewayLimits`: API keys, body size, rate) apply per replica: each
-  replica has its own rate buckets, so a caller's rate over the whole application is
-  up to `replicas` × the limit. API keys come from `--api-key` or DIFFSLOT_API_KEYS in
-  the driver's environment.
+* Gateway limits (`GatewayLimits`: API keys, body size, rate, priority classes) apply
+  per replica: each replica has its own rate buckets, so a caller's rate over the whole
+  application is up to `replicas` × the limit. API keys come from `--api-key` or
+  DIFFSLOT_API_KEYS in the driver's environment, priority classes from `--key-class` or
+  DIFFSLOT_KEY_CLASSES.
+* The Batch API: every replica serves it from one state dir (`--state-dir`, SQLite), and
+  each replica's batch runner claims lines from it, so one job's lines spread over the
+  replicas and a replica that dies has its lines run by the others. SQLite wants a local
+  filesystem: replicas must share a node (or a filesystem with working POSIX locks);
+  outputs may go to S3 (`--output-store s3://...`) either way.
 
 Ray's own ports (GCS 6379, the dashboard 8265, the client server 10001, the nodes'
 workers) accept jobs: whoever reaches them runs arbitrary code on the cluster. Keep
@@ -53,14 +59,15 @@ from frontend import parent_death
 from frontend.http.app import create_app
 from frontend.http.callers import api_keys as keys_from
 from frontend.http.link import EngineLink
-from frontend.http.options import GatewayLimits, ServerOptions
+from frontend.http.options import BatchOptions, GatewayLimits, ServerOptions, StoreOptions
+from frontend.http.priorities import key_class_specs
 from frontend.launcher import serve_command, stop_process
 
 log = logging.getLogger("diffslot.ray")
 
 ENGINE_DRAIN_S = 10.0  # a gracefully stopped replica's engine finishes in-flight work for at most this
 # the gateway limits a replica takes from the command line (and from `serve run`'s key=value arguments)
-REPLICA_LIMITS = ("api_keys", "max_body_bytes", "rate_limit", "rate_burst")
+REPLICA_LIMITS = ("api_keys", "max_body_bytes", "rate_limit", "rate_burst", "key_classes", "max_file_bytes")
 
 
 @dataclasses.dataclass
@@ -107,8 +114,10 @@ class EngineReplica:
     async def __init__(self, engine_args: list[str], *, model_name: str | None = None,
                        socket_dir: str | None = None, ready_timeout_s: float = 600.0,
                        engine_command: list[str] | None = None, limits: GatewayLimits | None = None,
-                       engine_drain_s: float = ENGINE_DRAIN_S):
+                       engine_drain_s: float = ENGINE_DRAIN_S, store: StoreOptions | None = None,
+                       batch: BatchOptions | None = None):
         self.limits = limits or GatewayLimits()
+        self.store, self.batch = store, batch
         self.engine_drain_s = engine_drain_s
         self._own_dir = socket_dir is None
         self.dir = pathlib.Path(socket_dir or tempfile.mkdtemp(prefix="dsr-", dir="/tmp"))
@@ -140,7 +149,7 @@ class EngineReplica:
         log.info("replica ready: engine pid %d on %s", self.engine.pid, self.address)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.link, self.limits, own_link=False)
+        return create_app(self.link, self.limits, own_link=False, store=self.store, batch=self.batch)
 
     async def check_health(self) -> None:
         """Ray calls this every `health_check_period_s`; raising gets the replica replaced."""
@@ -180,10 +189,12 @@ def engine_arguments(config: AppConfig, device: str | None) -> list[str]:
     return args + list(config.engine_extra)
 
 
-def build_app(config: AppConfig | None = None, limits: GatewayLimits | None = None, **fields):
+def build_app(config: AppConfig | None = None, limits: GatewayLimits | None = None, *,
+              store: StoreOptions | None = None, batch: BatchOptions | None = None, **fields):
     """The Serve application: `config.replicas` EngineReplicas (`fields` replace
-    `config`'s), each enforcing `limits` in its gateway. `gpus_per_replica` None: one GPU
-    each if the cluster has GPUs, else none (engines then run on CPU)."""
+    `config`'s), each enforcing `limits` in its gateway and serving batch jobs from
+    `store`'s state dir under `batch`'s bounds. `gpus_per_replica` None: one GPU each if
+    the cluster has GPUs, else none (engines then run on CPU)."""
     import ray
 
     config = dataclasses.replace(config or AppConfig(), **fields)
@@ -204,16 +215,20 @@ def build_app(config: AppConfig | None = None, limits: GatewayLimits | None = No
         graceful_shutdown_timeout_s=config.engine_drain_s + 15.0)
     return deployment.bind(engine_arguments(config, device), model_name=config.model_name,
                            socket_dir=config.socket_dir, engine_command=config.engine_command,
-                           limits=limits or GatewayLimits(), engine_drain_s=config.engine_drain_s)
+                           limits=limits or GatewayLimits(), engine_drain_s=config.engine_drain_s,
+                           store=store or StoreOptions(), batch=batch or BatchOptions())
 
 
 def app_builder(args: dict):
     """For `serve run frontend.ray_app:app_builder replicas=2 model=shapes slots=8`: the
-    fields of the command line's flags, by name. API keys come from DIFFSLOT_API_KEYS,
-    not arguments (which show in process lists)."""
+    fields of the command line's flags, by name. API keys come from DIFFSLOT_API_KEYS and
+    priority classes from DIFFSLOT_KEY_CLASSES, not arguments (which show in process lists)."""
     limits = {name: value for name, value in args.items() if name in REPLICA_LIMITS}
     return build_app(config_from_mapping(AppConfig, args),
-                     config_from_mapping(GatewayLimits, limits, api_keys=list(keys_from())))
+                     config_from_mapping(GatewayLimits, limits, api_keys=list(keys_from()),
+                                         key_classes=key_class_specs()),
+                     store=config_from_mapping(StoreOptions, args),
+                     batch=config_from_mapping(BatchOptions, args, webhook_url_prefixes=[]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(ap, ServerOptions, only={"host", "port"})
     add_config_arguments(ap, DriverOptions)
     add_config_arguments(ap.add_argument_group("gateway limits, per replica"), GatewayLimits, only=REPLICA_LIMITS)
+    add_config_arguments(ap.add_argument_group("state and outputs, shared by the replicas"), StoreOptions)
+    add_config_arguments(ap.add_argument_group("batch jobs and webhooks"), BatchOptions)
     return ap
 
 
@@ -231,7 +248,9 @@ def main(argv=None) -> int:
     config = config_from_args(AppConfig, args)
     server = config_from_args(ServerOptions, args)
     cluster = config_from_args(DriverOptions, args)
-    limits = config_from_args(GatewayLimits, args, api_keys=list(keys_from(args.api_keys)))
+    limits = config_from_args(GatewayLimits, args, api_keys=list(keys_from(args.api_keys)),
+                              key_classes=key_class_specs(args.key_classes))
+    store, batch = config_from_args(StoreOptions, args), config_from_args(BatchOptions, args)
 
     import ray
 
@@ -243,7 +262,7 @@ def main(argv=None) -> int:
     ray.init(address=cluster.address)
     try:
         serve.start(http_options={"host": server.host, "port": server.port})
-        serve.run(build_app(config, limits), name="diffslot", route_prefix="/")
+        serve.run(build_app(config, limits, store=store, batch=batch), name="diffslot", route_prefix="/")
         print(f"diffslot images API on http://{server.host}:{server.port}/v1 ({config.replicas} replicas); "
               "Ctrl-C stops it", flush=True)
         signal.signal(signal.SIGTERM, _raise_interrupt)

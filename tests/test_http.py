@@ -81,7 +81,7 @@ def test_bad_requests_name_the_param(real_stack):
         ({"prompt": "a red circle", "size": "13x16", "extra_body": {"steps": 1}}, "size"),
         ({"prompt": "a red circle", "size": "big"}, "size"),
         ({"prompt": "a red circle", "n": 0}, "n"),
-        ({"prompt": "a red circle", "response_format": "url"}, "response_format"),
+        ({"prompt": "a red circle", "response_format": "jpeg"}, "response_format"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -90,7 +90,7 @@ def test_bad_requests_name_the_param(real_stack):
         assert error.status_code == 400 and error.body["param"] == param, (kwargs, error.body)
         assert error.body["type"] == "invalid_request_error" and error.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.images.generate(prompt="a red circle", response_format="url")
+        client.images.generate(prompt="a red circle", response_format="jpeg")
     assert "b64_json" in info.value.body["message"]
     with pytest.raises(openai.NotFoundError) as info:
         client.images.generate(model="dall-e-3", prompt="a red circle")

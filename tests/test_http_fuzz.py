@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from frontend import Client  # noqa: E402
 from frontend.http.app import create_app  # noqa: E402
 from frontend.http.link import EngineLink  # noqa: E402
-from frontend.http.options import GatewayLimits  # noqa: E402
+from frontend.http.options import GatewayLimits, StoreOptions  # noqa: E402
 from tests.proc_helpers import fake_engine, wait_until  # noqa: E402
 
 KEY = "fuzz-key"
@@ -127,14 +127,15 @@ def operations(document: dict) -> list[tuple[str, str, dict]]:
 
 
 @pytest.fixture(scope="module")
-def gateway():
+def gateway(tmp_path_factory):
     """The app in this process, on its own event loop, in front of a fake engine whose
-    budget (1.5 MB per client) keeps every generated request small."""
+    budget (1.5 MB per client) keeps every generated request small; its state dir (batch
+    jobs, image links) is the test's own."""
     with fake_engine("--output-budget", "1500000") as engine:
         loop = asyncio.new_event_loop()
         link = EngineLink(engine.address, connect_timeout_s=10)
         app = create_app(link, GatewayLimits(api_keys=[KEY], max_body_bytes=MAX_BODY, rate_limit=200, rate_burst=50),
-                         own_link=False)
+                         own_link=False, store=StoreOptions(state_dir=str(tmp_path_factory.mktemp("state"))))
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway", timeout=60)
         try:
             assert loop.run_until_complete(link.wait_connected(30)), "the gateway did not connect"
@@ -160,12 +161,15 @@ def test_every_answer_is_documented_and_the_gateway_survives(gateway):
               for path, content in contents.items() if "application/json" in content}
     forms = {path for path, content in contents.items() if "multipart/form-data" in content}
     seen: dict[tuple[str, int], int] = {}
+    # the images routes, where the engine is, drawn as often as all the others together
+    images = [op for op in ops if op[1].startswith("/v1/images")]
+    weighted = ops + images * max(1, (len(ops) - len(images)) // len(images))
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(data=st.data())
     def exchange(data):
-        method, path, operation = data.draw(st.sampled_from(ops), label="operation")
+        method, path, operation = data.draw(st.sampled_from(weighted), label="operation")
         auth = data.draw(st.sampled_from([f"Bearer {KEY}"] * 6 + ["Bearer wrong", "", "Basic x"]),
                          label="authorization")
         headers = {"authorization": auth} if auth else {}

@@ -1,7 +1,8 @@
 """The images API over Ray Serve (R17): a local Ray cluster (2 CPUs), two replicas,
 each owning a real engine on a tiny SD folder; requests through the `openai`
 package; an HTTP disconnect cancels the engine request; an engine that dies fails
-its replica's requests with 503 and Ray replaces the replica.
+its replica's requests with 503 and Ray replaces the replica; one batch job's lines
+run on both replicas (R26).
 
 Sized for CI: one module-wide cluster, tiny model, a handful of requests.
 """
@@ -77,11 +78,12 @@ def _reap() -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_serve(tiny_sd):
+def ray_serve(tiny_sd, tmp_path_factory):
     """A local Ray cluster with Serve on a free port and the diffslot app (2 replicas).
     Torn down so that nothing outlives it: the app is deleted first (each replica stops
     its engine: SIGTERM, drained), then Serve and Ray; engines and their decode workers
     adopted by this process are waited for and reaped."""
+    from frontend.http.options import BatchOptions, StoreOptions
     from frontend.ray_app import build_app
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -95,7 +97,9 @@ def ray_serve(tiny_sd):
                 serve.start(http_options={"host": "127.0.0.1", "port": port})
                 serve.run(build_app(model=str(tiny_sd), replicas=2, slots=4, decode_workers=1, cpus_per_replica=0.5,
                                     socket_dir=str(sockets), health_check_period_s=1.0,
-                                    health_check_timeout_s=10.0),
+                                    health_check_timeout_s=10.0,
+                                    store=StoreOptions(state_dir=str(tmp_path_factory.mktemp("state"))),
+                                    batch=BatchOptions(batch_concurrency=1)),
                           name="diffslot", route_prefix="/")
                 yield f"http://127.0.0.1:{port}", sockets
             finally:
@@ -182,6 +186,29 @@ def test_disconnect_cancels_the_replica_call_and_the_engine_request(ray_serve):
         elapsed = time.monotonic() - closed_at
         assert elapsed < 2.0, f"the cancel reached the engine {elapsed:.2f}s after the disconnect"
         wait_until(lambda: busy() == 0, 10, message="slot released")
+    finally:
+        close_all(direct)
+
+
+@pytest.mark.timeout(600)
+def test_one_batch_runs_on_every_replica(ray_serve):
+    url, sockets = ray_serve
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/images/generations",
+                                "body": {"prompt": "a red circle", "steps": 3, "seed": i}}) + "\n" for i in range(6))
+    direct = engines(sockets)
+    try:
+        before = {pid: c.stats()["completed"] for pid, c in direct.items()}
+        uploaded = client.files.create(file=("job.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/images/generations",
+                                      completion_window="24h")
+        done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 120,
+                          interval=0.2, message="batch completed")
+        outputs = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(line["custom_id"] for line in outputs) == [f"line-{i}" for i in range(6)]
+        assert all(png_size(line["response"]["body"]["data"][0]["b64_json"]) == (16, 16) for line in outputs)
+        served = {pid: c.stats()["completed"] - before[pid] for pid, c in direct.items()}
+        assert sum(served.values()) == 6 and all(served.values()), served  # each replica ran some of the lines
     finally:
         close_all(direct)
 

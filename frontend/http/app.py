@@ -7,9 +7,12 @@
     GET  /v1/models               the engine's model (from its Welcome) and its LoRA adapters
     GET  /health                  200 when the engine answers, 503 when it does not or drains
     GET  /metrics                 the gateway's own Prometheus metrics
+    /v1/files, /v1/batches        OpenAI's Files and Batch API for generation jobs (batches.py)
+    GET  /outputs/{name}          a signed, expiring link to an image or file in the local output store
 
 `create_app(link, GatewayLimits(api_keys=..., max_body_bytes=..., rate_limit=...))` builds it
-around an `EngineLink`; `python -m frontend http` serves it with uvicorn, and
+around an `EngineLink` (with `StoreOptions` and `BatchOptions` for its state dir, output
+store and batch jobs); `python -m frontend http` serves it with uvicorn, and
 `frontend.ray_app` serves the same app from Ray Serve replicas. `callers.py` fences
 callers from each other (API keys, rate buckets, the body limit); each caller's
 images are generated on its own engine connection (`EngineLink.lease`). The statuses
@@ -32,7 +35,6 @@ import base64
 import contextlib
 import json
 import logging
-import uuid
 from typing import Awaitable
 
 from fastapi import FastAPI, Request
@@ -41,19 +43,25 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from engine.protocol import Canceled, Completed, Failed, GenerateParams, Rejected, frame_field_descriptions
+from engine.protocol import Completed, frame_field_descriptions
 from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
+from frontend.http.batch_runner import BatchRunner
+from frontend.http.batches import BATCH_SCHEMAS, FILES_PATH, add_batch_routes
 from frontend.http.callers import EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body
-from frontend.http.errors import APIError, bad_request, engine_unavailable, from_rejected
+from frontend.http.engine_calls import generate_all, internal_error, outcome_error, request_id
+from frontend.http.errors import APIError, bad_request, engine_unavailable
+from frontend.http.gateway_state import GatewayState
 from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
-from frontend.http.options import GatewayLimits
+from frontend.http.options import BatchOptions, GatewayLimits, StoreOptions
+from frontend.http.priorities import PRIORITY_HEADER, PriorityPolicy
 from frontend.http.schemas import (
-    ErrorResponse, Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList,
-    check_fits, completed_event, images_response, models_response, openapi_components, parse_edit,
+    Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList, check_fits,
+    completed_event, error_responses, images_response, models_response, ok_response, openapi_components, parse_edit,
     parse_generation, partial_image_event, schema_ref,
 )
+from frontend.http.webhooks import WebhookSender, webhook_secret
 
 log = logging.getLogger("diffslot.http")
 
@@ -63,63 +71,6 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, nev
 
 class ClientGone(Exception):
     """The HTTP client disconnected; its engine requests were canceled."""
-
-
-def request_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def internal_error(request_id: str, code: str = "internal_error") -> APIError:
-    """A 500 that says nothing of what went wrong, but under which id the log says it."""
-    return APIError(500, f"The server had an error while processing your request (request id {request_id}).",
-                    type="server_error", code=code, headers={"x-request-id": request_id})
-
-
-# --------------------------------------------------------------------------- engine calls
-
-
-def _outcome_error(result, link: EngineLink, metrics: GatewayMetrics) -> APIError:
-    """The HTTP error for a request that did not complete."""
-    if isinstance(result, Rejected):
-        link.saw_rejection(result)
-        error = from_rejected(result)
-        metrics.images.labels("busy" if error.status == 429 else "rejected").inc()
-        return error
-    if isinstance(result, Failed):
-        metrics.images.labels("failed").inc()
-        rid = request_id()
-        log.error("request %s: the engine failed generation request %s: %s", rid, result.request_id, result.error)
-        return internal_error(rid, "generation_failed")
-    if isinstance(result, Canceled):
-        metrics.images.labels("canceled").inc()
-        return engine_unavailable("the engine canceled the request (shutting down?)")
-    if isinstance(result, (EngineDeadError, ConnectionError, RuntimeError)):
-        metrics.images.labels("engine_dead").inc()
-        return link.lost(result)
-    raise result  # a bug: let the 500 handler log it
-
-
-async def generate_all(client: AsyncClient, params: tuple[GenerateParams, ...], link: EngineLink,
-                       metrics: GatewayMetrics) -> list[Completed]:
-    """Submit every image's request (they share the engine's batches), await them all;
-    the first that does not complete cancels the rest and becomes the error."""
-    tasks = [asyncio.ensure_future(client.generate(p)) for p in params]
-    pending = set(tasks)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                error = task.exception()
-                result = error if error is not None else task.result()
-                if not isinstance(result, Completed):
-                    raise _outcome_error(result, link, metrics)
-    finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    metrics.images.labels("completed").inc(len(tasks))
-    return [task.result() for task in tasks]
 
 
 async def _wait_disconnect(receive) -> None:
@@ -193,7 +144,7 @@ class ImageStream:
         error = task.exception()
         result = error if error is not None else task.result()
         if not isinstance(result, Completed):
-            return _outcome_error(result, self.link, self.metrics)
+            return outcome_error(result, self.link, self.metrics)
         self.metrics.images.labels("completed").inc()
         return completed_event(_b64(result.output), self.gen.size, result.timings, self.gen.params[0].seed,
                                self.gen.event)
@@ -207,10 +158,11 @@ class EventStreamResponse(Response):
     """Server-sent events from an ImageStream whose first event is already known (so
     that errors before it are plain HTTP errors); a disconnect cancels the generation."""
 
-    def __init__(self, stream: ImageStream, first: bytes):
+    def __init__(self, stream: ImageStream, first: bytes, priority: int):
         self.status_code, self.background = 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]  # no content-length: chunked
+                            (b"x-accel-buffering", b"no"),  # no content-length: chunked
+                            (PRIORITY_HEADER.encode(), str(priority).encode())]
         self.stream, self.first = stream, first
 
     async def __call__(self, scope, receive, send) -> None:
@@ -239,27 +191,8 @@ class EventStreamResponse(Response):
 # --------------------------------------------------------------------------- the app
 
 
-def _error_responses(*statuses: int) -> dict:
-    descriptions = {
-        400: "A malformed body, or a value the engine cannot take (`param` names it; also a request "
-             "whose images could never fit in a caller's output budget: `n`, `size` or `partial_images`)",
-        401: "A missing or wrong API key (only when the server has API keys)",
-        404: "An unknown model",
-        413: "The request body is larger than the server's limit",
-        429: "This caller's rate limit, or the engine's queue or this caller's share of it is full "
-             "(`Retry-After`)",
-        500: "The engine could not finish the request; details in the server's log under the request id",
-        503: "No engine is reachable, or the engine is draining",
-    }
-    error = {"application/json": {"schema": schema_ref(ErrorResponse)}}
-    return {status: {"description": descriptions[status], "content": error} for status in statuses}
-
-
-def _ok(description: str, content: dict) -> dict:
-    return {200: {"description": description, "content": content}}
-
-
-def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_link: bool = True) -> FastAPI:
+def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_link: bool = True,
+               store: StoreOptions | None = None, batch: BatchOptions | None = None) -> FastAPI:
     """The gateway around `link`, enforcing `limits` (default: GatewayLimits' defaults).
     With `own_link` the app's lifespan starts connecting it (in the background) and
     closes it at shutdown; a Ray replica that owns its engine passes its own link and
@@ -267,10 +200,22 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
     route is open and each client address is a caller); `max_body_bytes`: the largest
     request body (`max_upload_bytes` for the edits form, which carries the image and
     mask); `rate_limit`: requests per second per caller (0: no limit), `rate_burst`
-    banked (default: one second's worth, at least 1)."""
+    banked (default: one second's worth, at least 1); `key_classes`: each key's priority
+    class and ceiling (priorities.py). `store`: the state dir and output store (batch jobs,
+    image links); `batch`: the Batch API's bounds and webhooks."""
     limits = limits or GatewayLimits()
+    store, batch = store or StoreOptions(), batch or BatchOptions()
     api_keys = tuple(limits.api_keys)
     metrics = GatewayMetrics()
+    policy = PriorityPolicy(limits.key_classes, api_keys)
+    secret = webhook_secret(batch.webhook_secret_file)
+    if (batch.webhook_url or batch.webhook_url_prefixes) and secret is None:
+        raise ValueError("webhooks need a secret to sign them: --webhook-secret-file or DIFFSLOT_WEBHOOK_SECRET")
+    webhooks = WebhookSender(secret, attempts=batch.webhook_attempts, backoff_s=batch.webhook_backoff_s) \
+        if secret else None
+    state = GatewayState(store, api_keys)
+    runner = BatchRunner(state, link, metrics, policy, batch, webhooks)
+    state.on_open = runner.start  # the first file, batch or image link starts it
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -278,25 +223,37 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         # while the engine is still loading its model
         if own_link:
             link.start()
+        # jobs left unfinished by a previous gateway resume now; jobs that another gateway
+        # on the same state dir creates later (a Ray replica's) are noticed when they appear
+        watcher = asyncio.ensure_future(state.open_when_it_exists())
         try:
             yield
         finally:
+            watcher.cancel()
+            await runner.close()
+            state.close()
             if own_link:
                 await link.close()
 
     app = FastAPI(title="diffslot images API", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.link, app.state.metrics = link, metrics
+    app.state.link, app.state.metrics, app.state.gateway_state = link, metrics, state
     # the gate runs inside the metrics middleware, so that its 401/413/429 are counted
     app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(limits.rate_limit, limits.rate_burst),
-                       max_body_bytes=limits.max_body_bytes, path_limits={EDITS_PATH: limits.max_upload_bytes})
+                       max_body_bytes=limits.max_body_bytes,
+                       path_limits={EDITS_PATH: limits.max_upload_bytes, FILES_PATH: limits.max_file_bytes})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                  description="OpenAI's images API, served by a diffslot engine")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components(BATCH_SCHEMAS))
+            for operations in schema["paths"].values():  # FastAPI's 422: the gateway answers 400 instead
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(unused, None)
             if api_keys:
                 schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, operations in schema["paths"].items():
@@ -339,7 +296,7 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
 
     body_doc = {"requestBody": {"required": True,
                                 "content": {"application/json": {"schema": schema_ref(ImageGenerationRequest)}}}}
-    images_ok = _ok("The images (or, with `stream`, server-sent image events)",
+    images_ok = ok_response("The images (or, with `stream`, server-sent image events)",
                     {"application/json": {"schema": schema_ref(ImagesResponse)},
                      "text/event-stream": {"schema": {"type": "string"}}})
 
@@ -350,14 +307,14 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
                            for name, description in frame_field_descriptions().items()}}]}}}}}
 
     @app.post("/v1/images/generations", openapi_extra=body_doc,
-              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
+              responses={**images_ok, **error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def generations(request: Request) -> Response:
         body = await read_body(request, limits.max_body_bytes)
         await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
         return await serve(request, parse_generation(body, link.models))
 
     @app.post(EDITS_PATH, openapi_extra=edit_doc,
-              responses={**images_ok, **_error_responses(400, 401, 404, 413, 429, 500, 503)})
+              responses={**images_ok, **error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def edits(request: Request) -> Response:
         body = await read_body(request, limits.max_upload_bytes)
         await link.client()
@@ -367,7 +324,10 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
     async def serve(request: Request, gen: Generation) -> Response:
         welcome = link.welcome
         check_fits(gen, welcome.output_budget_bytes, welcome.native_size)
-        lease = await link.lease(caller_of(request.scope))
+        caller = caller_of(request.scope)
+        priority = policy.of(caller).priority(gen.priority)
+        gen = gen.with_priority(priority)
+        lease = await link.lease(caller)
         if gen.stream:
             stream = ImageStream(lease.client, gen, link, metrics, on_done=lease.release)
             try:
@@ -377,16 +337,21 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
                 raise
             if isinstance(first, APIError):  # nothing sent yet: a plain HTTP error
                 raise first
-            return EventStreamResponse(stream, first)
+            return EventStreamResponse(stream, first, priority)
         try:
             results = await until_disconnect(request, generate_all(lease.client, gen.params, link, metrics))
         finally:
             lease.release()
-        images = [(_b64(r.output), p.seed, r.timings) for r, p in zip(results, gen.params)]
-        return Response(images_response(images, gen.size), media_type=JSON)
+        values = await state.image_values(results, gen.response_format, str(request.base_url))
+        images = [(value, p.seed, r.timings) for value, r, p in zip(values, results, gen.params)]
+        return Response(images_response(images, gen.size, image_field="url" if gen.response_format == "url"
+                                        else "b64_json"),
+                        media_type=JSON, headers={PRIORITY_HEADER: str(priority)})
 
-    @app.get("/v1/models", responses={**_ok("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
-                                      **_error_responses(401, 429, 503)})
+    add_batch_routes(app, state, link, limits, batch, webhooks is not None, runner.wake)
+
+    @app.get("/v1/models", responses={**ok_response("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
+                                      **error_responses(401, 429, 503)})
     async def models() -> Response:
         client = await link.client()
         try:
@@ -397,8 +362,8 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
             raise engine_unavailable("the engine did not answer in time") from None
         return Response(models_response(link.models[:1], link.created, adapters), media_type=JSON)
 
-    @app.get("/health", responses={**_ok("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
-                                   **_error_responses(503)})
+    @app.get("/health", responses={**ok_response("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
+                                   **error_responses(503)})
     async def health() -> Response:
         try:
             await link.client()
@@ -411,7 +376,7 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         return Response(json.dumps({"status": "ok", "engine_pid": welcome.engine_pid, "model": link.models[0]}),
                         media_type=JSON)
 
-    @app.get("/metrics", responses=_ok("The gateway's Prometheus metrics",
+    @app.get("/metrics", responses=ok_response("The gateway's Prometheus metrics",
                                        {"text/plain": {"schema": {"type": "string"}}}))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)

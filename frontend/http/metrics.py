@@ -12,7 +12,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-ROUTES = frozenset({"/v1/images/generations", "/v1/models", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/images/generations", "/v1/images/edits", "/v1/models", "/v1/files", "/v1/batches",
+                    "/health", "/metrics"})
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -31,6 +32,8 @@ class GatewayMetrics:
                               "(completed, rejected, busy, failed, canceled, engine_dead, client_gone)",
                               ["outcome"], registry=r)
         self.partial_images = Counter("diffslot_http_partial_images", "Preview images streamed", registry=r)
+        self.batch_lines = Counter("diffslot_http_batch_lines", "Batch job lines this gateway finished, by outcome "
+                                   "(completed, failed)", ["outcome"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,9 @@
 
 - `GatewayLimits`: what one app enforces on its callers (`create_app`);
 - `LinkOptions`: how the app reaches its engine (`EngineLink`'s defaults);
-- `ServerOptions`: which engine `python -m frontend http` fronts and where it listens.
+- `ServerOptions`: which engine `python -m frontend http` fronts and where it listens;
+- `StoreOptions`: the state dir (batch jobs) and the output store (files, image links);
+- `BatchOptions`: the Batch API's limits and its webhooks.
 
 `python -m frontend http` offers them all; `frontend.ray_app` offers some of them to
 every replica. No server imports here: `python -m frontend` builds its parser from
@@ -19,6 +21,8 @@ from engine.protocol import FRAME_FIELDS, MAX_INPUT_BYTES
 MAX_BODY_BYTES = 1 << 20
 # the edits form: every frame field (an image, a mask) at the engine's largest, and a JSON body's worth of text
 MAX_UPLOAD_BYTES = len(FRAME_FIELDS) * MAX_INPUT_BYTES + MAX_BODY_BYTES
+# a batch input file: thousands of lines of JSON bodies
+MAX_FILE_BYTES = 64 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -44,6 +48,13 @@ class GatewayLimits:
         "--rate-burst", metavar="N",
         help="requests a caller may send at once before the rate applies, the bucket's size (default: one "
              "second's worth, at least 1)"))
+    key_classes: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--key-class", metavar="KEY=CLASS[:CEILING]", dest="key_classes",
+        help="the priority class (batch, default, interactive, or an integer) of an API key's requests, and the "
+             "most it may ask for (default: the larger of CLASS and default); KEY '*' sets it for every other "
+             "caller, otherwise default:default. Repeatable; DIFFSLOT_KEY_CLASSES takes the same, comma-separated"))
+    max_file_bytes: int = dataclasses.field(default=MAX_FILE_BYTES, metadata=cli(
+        "--max-file-bytes", metavar="B", help="largest file upload (POST /v1/files, a batch's input); larger get 413"))
 
 
 @dataclasses.dataclass
@@ -73,3 +84,59 @@ class ServerOptions:
         "--log-level", choices=LOG_LEVELS, help="the gateway's and uvicorn's log level"))
     access_log: bool = dataclasses.field(default=False, metadata=cli(
         "--access-log", help="log every request (uvicorn's access log)"))
+
+
+@dataclasses.dataclass
+class StoreOptions:
+    """Where the gateway keeps batch jobs (SQLite) and outputs (files, linked images)."""
+
+    state_dir: str | None = dataclasses.field(default=None, metadata=cli(
+        "--state-dir", metavar="DIR",
+        help="batch jobs' database and the local output store; gateways sharing it share the jobs (default: "
+             "$XDG_DATA_HOME/diffslot/gateway)"))
+    output_store: str | None = dataclasses.field(default=None, metadata=cli(
+        "--output-store", metavar="DIR|s3://BUCKET/PREFIX",
+        help="where files and images asked for with response_format=url go: a directory, or S3-compatible "
+             "object storage (needs boto3: the [s3] extra) (default: STATE_DIR/outputs)"))
+    s3_endpoint_url: str | None = dataclasses.field(default=None, metadata=cli(
+        "--s3-endpoint-url", metavar="URL", help="the S3 API's URL (MinIO, Ceph, ...; default: AWS)"))
+    s3_region: str | None = dataclasses.field(default=None, metadata=cli(
+        "--s3-region", metavar="REGION", help="the bucket's region (default: boto3's configuration)"))
+    link_ttl_s: float = dataclasses.field(default=3600.0, metadata=cli(
+        "--link-ttl", metavar="S", dest="link_ttl",
+        help="seconds an image link (response_format=url) stays valid; local images are deleted after it"))
+    public_url: str | None = dataclasses.field(default=None, metadata=cli(
+        "--public-url", metavar="URL",
+        help="the gateway's URL as clients reach it, for links to the local store (default: the request's own)"))
+
+
+@dataclasses.dataclass
+class BatchOptions:
+    """The Batch API's bounds and its webhooks."""
+
+    max_batch_lines: int = dataclasses.field(default=5000, metadata=cli(
+        "--max-batch-lines", metavar="N", help="requests in one batch's input file; more get 400"))
+    max_files_per_key: int = dataclasses.field(default=1000, metadata=cli(
+        "--max-files-per-key", metavar="N",
+        help="files one API key (or, without keys, everyone) may keep, outputs included; past it uploads get 400 "
+             "until some are deleted"))
+    max_active_batches: int = dataclasses.field(default=32, metadata=cli(
+        "--max-active-batches", metavar="N",
+        help="batches not yet ended, over all callers of the state dir; past it batches.create gets 429"))
+    batch_concurrency: int = dataclasses.field(default=8, metadata=cli(
+        "--batch-concurrency", metavar="N",
+        help="batch lines this gateway runs on its engine at once (each at batch priority)"))
+    webhook_url: str | None = dataclasses.field(default=None, metadata=cli(
+        "--webhook-url", metavar="URL", help="POST a signed event here when any batch ends (needs a webhook secret)"))
+    webhook_url_prefixes: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--webhook-url-prefix", metavar="PREFIX", dest="webhook_url_prefixes",
+        help="allow batches.create's metadata webhook_url when it starts with PREFIX (repeatable); without it a "
+             "caller cannot make the gateway POST anywhere"))
+    webhook_secret_file: str | None = dataclasses.field(default=None, metadata=cli(
+        "--webhook-secret-file", metavar="FILE",
+        help="the secret webhooks are signed with (whsec_... or plain text); or DIFFSLOT_WEBHOOK_SECRET"))
+    webhook_attempts: int = dataclasses.field(default=8, metadata=cli(
+        "--webhook-attempts", metavar="N", help="deliveries tried per event before giving up"))
+    webhook_backoff_s: float = dataclasses.field(default=1.0, metadata=cli(
+        "--webhook-backoff", metavar="S", dest="webhook_backoff",
+        help="seconds before the first retry; doubled for each next one (at most 5 minutes)"))

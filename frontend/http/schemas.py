@@ -24,6 +24,7 @@ from __future__ import annotations
 import email.message
 import io
 import json
+import math
 import re
 import secrets
 import time
@@ -33,6 +34,7 @@ import msgspec
 
 from engine.protocol import FRAME_FIELDS, MAX_PARTIAL_IMAGES, MICRO_CONDITIONING, SAMPLERS, GenerateParams, Timings, output_nbytes
 from frontend.http.errors import APIError, bad_request
+from frontend.http.priorities import priority_value
 
 MAX_N = 10  # OpenAI's own limit on `n`
 
@@ -60,7 +62,9 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
         = None
     size: Annotated[str | None, _doc("'WIDTHxHEIGHT' or 'auto' (the model's native size).", pattern=SIZE_PATTERN,
                                      examples=["32x32", "auto"])] = None
-    response_format: Annotated[str | None, _doc("Only 'b64_json'.", enum=["b64_json"])] = None
+    response_format: Annotated[str | None, _doc("'b64_json' (the PNG in the response) or 'url' (a link to it in "
+                                                "the gateway's output store, valid for a limited time).",
+                                                enum=["b64_json", "url"])] = None
     output_format: Annotated[str | None, _doc("Only 'png'.", enum=["png"])] = None
     stream: Annotated[bool | None, _doc("Server-sent image events (n must be 1).")] = None
     partial_images: Annotated[int | None, _doc("Previews to stream before the image (with stream).", minimum=0,
@@ -89,6 +93,13 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     original_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
     crops_coords_top_left: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [top, left].")] = None
     target_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
+    # scheduling on the engine
+    priority: Annotated[int | str | None, _doc(
+        "A class ('batch', 'default', 'interactive') or an integer, higher first; absent: the caller's default "
+        "class. Capped at the caller's ceiling (the x-diffslot-priority header says what it ran at).",
+        examples=["interactive"])] = None
+    deadline_s: Annotated[float | None, _doc("Seconds after arrival by which the image is wanted: orders requests "
+                                             "of one priority by slack.", exclusiveMinimum=0)] = None
 
 
 class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +126,13 @@ class Generation(msgspec.Struct, frozen=True):
     partial_images: int
     event: str = "image_generation"  # the SSE event prefix: "image_edit" for edits
     default_hw: tuple[int, int] | None = None  # (height, width) of the output when size is absent (an edit's image)
+    priority: int | None = None  # asked for (checked, not yet capped: `with_priority`); None: the caller's default
+    response_format: str = "b64_json"  # or "url": the images go to the output store, the response links them
+
+    def with_priority(self, priority: int) -> "Generation":
+        """The same request at the engine priority it runs at."""
+        params = tuple(msgspec.structs.replace(p, priority=priority) for p in self.params)
+        return msgspec.structs.replace(self, params=params)
 
 
 _decoder = msgspec.json.Decoder(ImageGenerationRequest)
@@ -161,13 +179,13 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **i
     if req.model not in (None, "") and req.model not in served_models:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(m) for m in served_models[:1])}.", param="model", code="model_not_found")
-    if req.response_format not in (None, "b64_json"):
-        if req.response_format == "url":
-            raise bad_request("response_format 'url' is not supported: this server keeps no images to link to; "
-                              "use response_format 'b64_json' (the PNG, base64-encoded, in the response).",
-                              "response_format", "unsupported_value")
-        raise bad_request(f"Invalid value for 'response_format': {req.response_format!r}; supported: 'b64_json'.",
-                          "response_format")
+    if req.response_format not in (None, "b64_json", "url"):
+        raise bad_request(f"Invalid value for 'response_format': {req.response_format!r}; supported: 'b64_json', "
+                          f"'url'.", "response_format")
+    priority = None if req.priority is None else priority_value(req.priority)
+    if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
+        raise bad_request(f"Invalid value for 'deadline_s': {req.deadline_s!r}; must be a positive number of "
+                          f"seconds.", "deadline_s")
     if req.output_format not in (None, "png"):
         raise bad_request(f"Invalid value for 'output_format': {req.output_format!r}; supported: 'png'.",
                           "output_format", "unsupported_value")
@@ -184,6 +202,9 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **i
                           f"{MAX_PARTIAL_IMAGES}.", "partial_images")
     if partial and not stream:
         raise bad_request("'partial_images' requires 'stream': true.", "partial_images")
+    if stream and req.response_format == "url":
+        raise bad_request("Streaming sends the images themselves: use response_format 'b64_json' with 'stream'.",
+                          "response_format", "unsupported_value")
     if stream and n != 1:
         raise bad_request("Streaming supports one image per request ('n': 1).", "n", "unsupported_value")
     height, width = parse_size(req.size)
@@ -207,6 +228,8 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **i
         if isinstance(value, tuple) and not all(-INT64 <= v < INT64 for v in value):
             raise bad_request(f"Invalid value for '{name}': {list(value)} is out of range.", name)
         knobs[name] = value
+    if req.deadline_s is not None:
+        knobs["deadline_s"] = req.deadline_s
     knobs.update({name: value for name, value in inputs.items() if value is not None})
     try:
         params = tuple(GenerateParams(prompt=req.prompt, seed=seed + i, output="png", height=height, width=width,
@@ -216,7 +239,8 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **i
     size = "auto" if height is None else f"{width}x{height}"
     return Generation(model=req.model or served_models[0], params=params, size=size, stream=stream,
                       partial_images=partial, event="image_edit" if "image" in inputs else "image_generation",
-                      default_hw=_header_size(inputs.get("image")))
+                      default_hw=_header_size(inputs.get("image")), priority=priority,
+                      response_format=req.response_format or "b64_json")
 
 
 def _header_size(data: bytes | None) -> tuple[int, int] | None:
@@ -246,21 +270,19 @@ def _header_params(value: str) -> email.message.Message:
     return message
 
 
-def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """A multipart/form-data body as (text fields, files). Repeated names and the
-    bracketed forms become lists (`x[]`) and objects (`x[key]`); any field may be a file
-    part or a text part. Raises APIError (400) naming the field where there is one."""
+def form_parts(content_type: str, body: bytes,
+               files: str = "the image and mask as files") -> list[tuple[str, str | None, bytes]]:
+    """A multipart/form-data body's parts as (field name, file name or None, content).
+    Raises APIError (400) when the body is not such a form (`files`: what it should carry)."""
     if not _MULTIPART.match(content_type or ""):
-        raise bad_request("The request body must be multipart/form-data (the image and mask as files).", None,
-                          "invalid_content_type")
+        raise bad_request(f"The request body must be multipart/form-data ({files}).", None, "invalid_content_type")
     boundary = _header_params(content_type).get_param("boundary")
     if not isinstance(boundary, str) or not 0 < len(boundary) <= 200:
         raise bad_request("The multipart/form-data body has no boundary.", None, "invalid_multipart")
     sections = (b"\r\n" + body).split(b"\r\n--" + boundary.encode("latin-1"))
     if len(sections) < 2 or not sections[-1].startswith(b"--"):
         raise bad_request("The multipart/form-data body is truncated or malformed.", None, "invalid_multipart")
-    fields: dict[str, Any] = {}
-    files: dict[str, bytes] = {}
+    parts = []
     for section in sections[1:-1]:
         head_end = section.find(b"\r\n\r\n")
         if head_end < 0:
@@ -273,7 +295,17 @@ def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str
                 name, filename = disposition.get_param("name"), disposition.get_param("filename")
         if not isinstance(name, str) or not name:
             raise bad_request("A multipart/form-data part has no field name.", None, "invalid_multipart")
-        content = section[head_end + 4:]
+        parts.append((name, filename if isinstance(filename, str) else None, section[head_end + 4:]))
+    return parts
+
+
+def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A multipart/form-data body as (text fields, files). Repeated names and the
+    bracketed forms become lists (`x[]`) and objects (`x[key]`); any field may be a file
+    part or a text part. Raises APIError (400) naming the field where there is one."""
+    fields: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    for name, filename, content in form_parts(content_type, body):
         indexed = _INDEXED.match(name)
         base = indexed.group(1) if indexed else name
         if base in FRAME_FIELDS:
@@ -382,18 +414,25 @@ def timings_dict(t: Timings) -> dict:
             "evals": t.evals, "padded_evals": t.padded_evals, "image_encode_s": t.image_encode_s}
 
 
-def images_response(images: list[tuple[str, int, Timings]], size: str, created: int | None = None) -> bytes:
-    """OpenAI's ImagesResponse: `created`, `data: [{b64_json}]`, `output_format`, `size`;
-    the engine's per-image timings and seeds ride as the extra fields `timings` and
-    `data[i].seed`."""
-    return _encoder.encode({
+def images_response(images: list[tuple[str, int, Timings]], size: str, created: int | None = None,
+                    image_field: str = "b64_json") -> bytes:
+    """OpenAI's ImagesResponse: `created`, `data: [{b64_json}]` (or `[{url}]` with
+    `image_field="url"`), `output_format`, `size`; the engine's per-image timings and
+    seeds ride as the extra fields `timings` and `data[i].seed`."""
+    return _encoder.encode(images_body(images, size, created, image_field))
+
+
+def images_body(images: list[tuple[str, int, Timings]], size: str, created: int | None = None,
+                image_field: str = "b64_json") -> dict:
+    """`images_response` before encoding (a batch line's response body)."""
+    return {
         "created": int(time.time()) if created is None else created,
-        "data": [{"b64_json": b64, "seed": seed} for b64, seed, _ in images],
+        "data": [{image_field: value, "seed": seed} for value, seed, _ in images],
         "output_format": "png",
         "background": "opaque",
         "size": size,
         "timings": [timings_dict(t) for _, _, t in images],
-    })
+    }
 
 
 def partial_image_event(b64: str, index: int, size: str, step: int | None = None, total: int | None = None,
@@ -445,8 +484,10 @@ class ErrorResponse(msgspec.Struct):
 
 
 class ImageData(msgspec.Struct):
-    b64_json: str
     seed: int
+    b64_json: str | None = None  # response_format 'b64_json'
+    url: str | None = None  # response_format 'url'
+
 
 
 class ImagesResponse(msgspec.Struct):
@@ -481,13 +522,39 @@ class Health(msgspec.Struct):
 SCHEMA_REF = "#/components/schemas/{name}"
 
 
-def openapi_components() -> dict[str, dict]:
-    """`components.schemas` of the gateway's OpenAPI document."""
+def openapi_components(more: tuple[type, ...] = ()) -> dict[str, dict]:
+    """`components.schemas` of the gateway's OpenAPI document (`more`: other routes' structs)."""
     _, components = msgspec.json.schema_components(
-        [ImageGenerationRequest, ImageEditRequest, ErrorResponse, ImagesResponse, ModelList, Health],
+        [ImageGenerationRequest, ImageEditRequest, ErrorResponse, ImagesResponse, ModelList, Health, *more],
         ref_template=SCHEMA_REF)
     return components
 
 
 def schema_ref(struct: type) -> dict:
     return {"$ref": SCHEMA_REF.format(name=struct.__name__)}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "A malformed body, or a value the engine cannot take (`param` names it; also a request "
+         "whose images could never fit in a caller's output budget: `n`, `size` or `partial_images`)",
+    401: "A missing or wrong API key (only when the server has API keys)",
+    403: "The link's signature is wrong or it has expired",
+    404: "An unknown model",
+    409: "The object is in a state that does not allow this",
+    413: "The request body is larger than the server's limit",
+    429: "This caller's rate limit, or the engine's queue or this caller's share of it is full "
+         "(`Retry-After`)",
+    500: "The engine could not finish the request; details in the server's log under the request id",
+    503: "No engine is reachable, or the engine is draining",
+}
+
+
+def error_responses(*statuses: int, notes: dict[int, str] | None = None) -> dict:
+    """OpenAPI `responses` for these error statuses (`notes`: a route's own descriptions)."""
+    error = {"application/json": {"schema": schema_ref(ErrorResponse)}}
+    descriptions = {**ERROR_DESCRIPTIONS, **(notes or {})}
+    return {status: {"description": descriptions[status], "content": error} for status in statuses}
+
+
+def ok_response(description: str, content: dict) -> dict:
+    return {200: {"description": description, "content": content}}

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from engine.flags import add_config_arguments, config_from_args
-from frontend.http.options import GatewayLimits, LinkOptions, ServerOptions
+from frontend.http.options import BatchOptions, GatewayLimits, LinkOptions, ServerOptions, StoreOptions
 
 log = logging.getLogger("diffslot.http")
 
@@ -24,6 +24,8 @@ log = logging.getLogger("diffslot.http")
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for options in (ServerOptions, LinkOptions, GatewayLimits):
         add_config_arguments(ap, options)
+    add_config_arguments(ap.add_argument_group("state and outputs"), StoreOptions)
+    add_config_arguments(ap.add_argument_group("batch jobs and webhooks"), BatchOptions)
     return ap
 
 
@@ -45,14 +47,21 @@ def serve(args: argparse.Namespace) -> int:
     from frontend.http.app import create_app
     from frontend.http.callers import api_keys
     from frontend.http.link import EngineLink
+    from frontend.http.priorities import key_class_specs
 
     server = config_from_args(ServerOptions, args)
-    limits = config_from_args(GatewayLimits, args, api_keys=list(api_keys(args.api_keys)))
+    limits = config_from_args(GatewayLimits, args, api_keys=list(api_keys(args.api_keys)),
+                              key_classes=key_class_specs(args.key_classes))
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not limits.api_keys and not _loopback(server.host):
         log.warning("serving on %s without --api-key: anyone who reaches the port can generate images", server.host)
     link = EngineLink(server.engine, **dataclasses.asdict(config_from_args(LinkOptions, args)))
-    app = create_app(link, limits)
+    try:
+        app = create_app(link, limits, store=config_from_args(StoreOptions, args),
+                         batch=config_from_args(BatchOptions, args))
+    except (ValueError, RuntimeError, OSError) as exc:  # a flag that cannot work: say which, before binding
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
                             access_log=server.access_log, timeout_graceful_shutdown=30)
     uvicorn_server = uvicorn.Server(config)
