@@ -832,3 +832,49 @@ def test_graphs_are_bounded_least_recently_replayed_out(model):
     assert {key[0][1][0] for key in graphed.graphs} == {1, 4}
     call(2)
     assert capture.captures == 4 and graphed.evictions == 2
+
+
+def test_graph_key_has_the_memory_format_and_a_layout_change_drops_stale_graphs(model):
+    """A channels-last call and a contiguous one of the same shape get graphs of their own;
+    when the adapter layout a graph reads changes, the graphs of the old one are dropped at
+    once (never replayed again), not left to fill the bound."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+    from engine.models.loading import model_inputs
+
+    layout = [0]
+    capture = EagerCapture()
+    graphed = GraphedDenoiser(model, capture, layout_version=lambda: layout[0])
+    prompt = model.encode(["a red circle"])[0]
+    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(1))
+    for sample in (x, x.contiguous(memory_format=torch.channels_last), x):
+        inputs = model_inputs(sample, torch.full((2,), 500.0), [prompt] * 2)
+        assert torch.allclose(graphed(inputs), model.run(inputs))
+    assert capture.captures == 2 and len(graphed.graphs) == 2
+    assert {key[0][3] for key in graphed.graphs} == {"contiguous", "channels_last"}
+    layout[0] = 1
+    graphed(model_inputs(x, torch.full((2,), 500.0), [prompt] * 2))
+    assert len(graphed.graphs) == 1 and graphed.evictions == 2 and capture.captures == 3
+
+
+def test_graph_capture_out_of_memory_is_retried_later(model):
+    """A capture that runs out of device memory (other requests held it) runs that call
+    eagerly and is tried again after a few calls, not given up for good."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+    from engine.models.loading import model_inputs
+
+    class ShortOfMemoryOnce(EagerCapture):
+        def capture(self, fn, inputs):
+            if not self.captures:
+                self.captures += 1
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().capture(fn, inputs)
+
+    capture = ShortOfMemoryOnce()
+    graphed = GraphedDenoiser(model, capture)
+    prompt = model.encode(["a red circle"])[0]
+    x = torch.randn(1, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(2))
+    inputs = model_inputs(x, torch.full((1,), 500.0), [prompt])
+    for _ in range(GraphedDenoiser.RETRY_AFTER_CALLS + 1):
+        assert torch.allclose(graphed(inputs), model.run(inputs))
+    assert graphed.out_of_memory == 1 and not graphed.failed
+    assert len(graphed.graphs) == 1 and graphed.replays == 1  # captured at the retry, then replayed

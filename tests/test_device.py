@@ -284,3 +284,20 @@ def test_gpu_check_runs_on_cpu_and_skips_the_cuda_parts(tmp_path):
     assert {"kernel", "bandwidth", "reaper", "nosync", "unet", "layouts", "interpreter"} <= parts, parts
     assert all(r["status"] in ("ok", "skipped", "info") for r in report["rows"]), report["rows"]
     assert any(r["part"] == "interpreter" and r["status"] == "ok" for r in report["rows"])
+
+
+def test_a_field_left_out_of_the_counts_is_not_copied():
+    """A step that stages no noise (no stochastic sampler in it) copies the small arrays
+    only: a field the counts leave out is unused (0 rows), not full. SDXL with 16 slots has
+    a noise field of 4 MiB beside half a kilobyte of the rest."""
+    fields = dict(FIELDS, noise=(np.float32, (16, 4 * 128 * 128)))
+    bufs = PinnedBuffers(fields, "cpu", depth=1)
+    stage = bufs.acquire()
+    dev = stage.upload({"index": 3, "row_slot": 6})
+    noise_offset = bufs.layout["noise"][0]
+    assert bufs.last_upload_bytes <= noise_offset < 8192 and dev["noise"].shape == (0, 4 * 128 * 128)
+    assert dev["coefs"].shape[0] == 0
+    bufs.acquire().upload({"index": 3, "noise": 2})
+    assert bufs.last_upload_bytes == noise_offset + 2 * 4 * 128 * 128 * 4
+    bufs.acquire().upload()  # no counts: every field full
+    assert bufs.last_upload_bytes == noise_offset + 16 * 4 * 128 * 128 * 4

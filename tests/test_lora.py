@@ -18,6 +18,7 @@ A and B) for `build_sd`'s tiny folder and written by `save_lora_weights`.
 from __future__ import annotations
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -378,6 +379,39 @@ def test_row_inputs_pad_to_max_per_request(served):
     assert inputs["lora_index"].tolist() == [[3, 1, -1, -1]] * 2
     assert inputs["lora_scale"].tolist() == [[0.5, -1.0, 0.0, 0.0]] * 2
     assert inputs["lora_index"].dtype == torch.int32 and inputs["lora_scale"].dtype == torch.float32
+    # host tensors whatever the model's device: the slot storage stages them without a sync
+    assert inputs["lora_index"].device.type == inputs["lora_scale"].device.type == "cpu"
+
+
+def test_rank_above_the_limit_is_refused_naming_loras(fresh_model, lora_setup, tmp_path):
+    """An adapter above the pool's rank limit is refused at intake (`loras`), never loaded."""
+    from engine.core.input_kinds.adapters import AdapterKind
+    from engine.core.outputs import RequestRejected
+    from engine.protocol import GenerateParams
+
+    pool = AdapterPool(fresh_model, lora_setup["lora_dir"], budget_bytes=64 << 20, max_rank=4)
+    assert pool.check({"A": 1.0}) is None  # rank 4
+    why = pool.check({"B": 1.0})  # rank 8
+    assert why is not None and "rank 8" in why and "up to 4" in why
+    with pytest.raises(RequestRejected) as caught:
+        AdapterKind(pool).check(GenerateParams(prompt="a red circle", loras={"B": 1.0}))
+    assert caught.value.field == "loras"
+    assert pool.stats()["loads"] == 0
+
+
+def test_plain_lora_loads_keep_graphs_locon_loads_do_not(fresh_model, lora_setup):
+    """A captured graph reads the Linear / 1×1 layers' adapters through device tables updated
+    in place: loading or evicting such an adapter leaves `layout_version` (a graph key) as it
+    is; an adapter on a k×k conv (B: LoCon on conv1) changes it."""
+    pool = AdapterPool(fresh_model, lora_setup["lora_dir"], budget_bytes=64 << 20)
+    version = pool.layout_version
+    a = pool.acquire(["A"])  # Linear and 1×1 proj_in
+    pool.release(a)
+    c = pool.acquire(["C"])
+    assert pool.layout_version == version
+    b = pool.acquire(["B"])
+    assert pool.layout_version > version
+    pool.release(b + c)
 
 
 def test_class_conditional_model_has_no_lora(tmp_path):
@@ -483,8 +517,65 @@ def test_reference_equals_per_row_loop():
                            torch.zeros_like(out))
 
 
-def test_kernels_compile_for_sm90():
-    """What the interpreter cannot show: both kernels compile for a real GPU (fp32, fp16, bf16)."""
+class _RecordedLaunch:
+    """Stands in for a @triton.jit kernel: records each launch's arguments (on CPU nothing
+    can be launched; what the launcher asks for is what a GPU would compile)."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.fn, grid, args, kwargs))
+        return launch
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+                 torch.int64: "i64"}
+
+
+def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of one recorded launch, as the JIT would compile it."""
+    sig, constexprs, options = {}, {}, {}
+    names = list(fn.arg_names)
+    for name, value in zip(names, args):
+        sig[name] = f"*{_TRITON_TYPES[value.dtype]}" if isinstance(value, torch.Tensor) else "i32"
+    for name, value in kwargs.items():
+        if name in names:
+            sig[name], constexprs[name] = "constexpr", value
+        else:
+            options[name] = value
+    return sig, constexprs, options
+
+
+def _resources(cubin: bytes) -> dict | None:
+    """Registers and stack (spill) bytes per thread of a cubin, read by the cuobjdump that
+    ships with triton (None where it does not)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return None if found is None else {"registers": int(found[1]), "stack": int(found[2])}
+
+
+#: sm_90's shared memory per block (227 KB) and registers per thread
+SM90_SHARED_BYTES, SM90_REGISTERS = 227 * 1024, 255
+
+
+def test_kernels_compile_for_sm90_at_every_rank(monkeypatch):
+    """What the interpreter cannot show: at ranks 16 … 1024 (fp32, fp16, bf16), the launcher
+    asks for kernels that compile for sm_90 within its shared memory, with no register spill,
+    and the same kernels whatever the rank (rank tiling: no adapter recompiles anything)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -493,28 +584,42 @@ def test_kernels_compile_for_sm90():
 
     if not isinstance(kernel._lora_shrink_kernel, triton.runtime.jit.JITFunction):
         pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
-    for dtype in ("fp32", "bf16"):
-        precision = "ieee" if dtype == "fp32" else "tf32"
-        common = {"index_ptr": "*i32", "ranks_ptr": "*i32", "tokens": "i32", "v_ptr": "*fp32", "K": "constexpr",
-                  "R_BLOCK": "constexpr", "BLOCK_T": "constexpr", "PRECISION": "constexpr"}
-        shrink = dict(common, x_ptr=f"*{dtype}", scale_ptr="*fp32", order_ptr="*i32", a_ptrs="*i64",
-                      scalings_ptr="*fp32", in_features="i32", sx_row="i64", sx_tok="i64", sx_in="i64",
-                      BLOCK_I="constexpr")
-        expand = dict(common, out_ptr=f"*{dtype}", b_ptrs="*i64", out_features="i32", so_row="i64", so_tok="i64",
-                      so_out="i64", BLOCK_O="constexpr")
-        for fn, sig, block in ((kernel._lora_shrink_kernel, shrink, "BLOCK_I"),
-                               (kernel._lora_expand_kernel, expand, "BLOCK_O")):
-            order = [name for name in fn.arg_names]
-            src = ASTSource(fn, {name: sig[name] for name in order},
-                            constexprs={"K": 4, "R_BLOCK": 16, "BLOCK_T": 64, block: 64, "PRECISION": precision})
-            try:
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-            except Exception as exc:  # no LLVM / ptxas for this target in the installed triton
-                pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
-            ptx = compiled.asm["ptx"]
-            assert ".entry" in ptx
-            if dtype != "fp32":
-                assert "mma" in ptx  # tensor cores for half precision
+    launches: list = []
+    for name in ("_lora_shrink_kernel", "_lora_expand_kernel"):
+        monkeypatch.setattr(kernel, name, _RecordedLaunch(getattr(kernel, name), launches))
+    variants = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rank in (16, 64, 128, 256, 512, 1024):
+            weights = SlotWeights(2, 320, 640, "cpu", dtype, rank_limit=1024)
+            weights.put(0, torch.zeros(rank, 320), torch.zeros(640, rank), 1.0)
+            weights.put(1, torch.zeros(8, 320), torch.zeros(640, 8), 1.0)
+            groups = RowGroups.build(torch.tensor([[0, 1], [1, -1]]), torch.ones(2, 2), for_kernel=True)
+            x, out = torch.zeros(2, 4096, 320, dtype=dtype), torch.zeros(2, 4096, 640, dtype=dtype)
+            launches.clear()
+            kernel.add_lora_triton(out, x, weights, groups)
+            assert len(launches) == 2
+            for fn, grid, args, kwargs in launches:
+                sig, constexprs, options = _signature(fn, args, kwargs)
+                if fn is kernel._lora_shrink_kernel.fn:  # the rank walks the grid, in tiles
+                    assert grid[2] * constexprs["R_BLOCK"] >= rank
+                variants.setdefault((fn.__name__, str(dtype)), set()).add(
+                    (tuple(sorted(sig.items())), tuple(sorted(constexprs.items())), tuple(sorted(options.items()))))
+    assert all(len(v) == 1 for v in variants.values()), variants  # one compiled variant per kernel and dtype
+    for (name, dtype), (variant,) in variants.items():
+        sig, constexprs, options = (dict(part) for part in variant)
+        fn = getattr(kernel, name).fn
+        try:
+            compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                                      options=options)
+        except Exception as exc:  # no LLVM / ptxas for this target in the installed triton
+            pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
+        assert ".entry" in compiled.asm["ptx"]
+        if dtype != str(torch.float32):
+            assert "mma" in compiled.asm["ptx"]  # tensor cores for half precision
+        assert compiled.metadata.shared <= SM90_SHARED_BYTES, (name, dtype, compiled.metadata.shared)
+        used = _resources(compiled.asm["cubin"])
+        if used is not None:
+            assert used["registers"] <= SM90_REGISTERS and used["stack"] == 0, (name, dtype, used)
 
 
 # ---- SDXL ----------------------------------------------------------------------------------
@@ -604,3 +709,96 @@ def test_sd3_transformer_rows_equal_pipeline_with_their_adapters(tmp_path):
         assert _rel(out[r], expected) <= 1e-5, (r, s)
         assert (s is None) == (_rel(base[r], expected) < 1e-5)
     pool.release([slot])
+
+
+# ---- half precision rounds as peft does -----------------------------------------------------
+
+def _peft_half_case():
+    """An fp16 layer, two adapters, rows with one, two (in order) or none, and what peft's
+    LoRA layer computes: result = result + lora_B(lora_A(x)) * scaling, adapter by adapter,
+    every step rounded to fp16 (scaling = adapter weight × alpha / r)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(5)
+    base_w, base_b = (torch.randn(48, 64, generator=g) / 8).half(), torch.randn(48, generator=g).half()
+    weights = SlotWeights(3, 64, 48, "cpu", torch.float16)
+    factors = {0: ((torch.randn(8, 64, generator=g) / 8).half(), torch.randn(48, 8, generator=g).half(), 16 / 8),
+               2: ((torch.randn(40, 64, generator=g) / 8).half(), torch.randn(48, 40, generator=g).half(), 1.0)}
+    for slot, (A, B, scaling) in factors.items():
+        weights.put(slot, A, B, scaling)
+    index = torch.tensor([[0, -1], [2, 0], [-1, -1], [0, 2]], dtype=torch.int32)
+    scale = torch.tensor([[0.7, 0.0], [1.3, -0.4], [0.0, 0.0], [0.9, 0.6]])
+    x = torch.randn(4, 10, 64, generator=g).half()
+    out = F.linear(x, base_w, base_b)
+    expected = out.clone()
+    for r in range(4):
+        for k in range(2):
+            slot = int(index[r, k])
+            if slot >= 0:
+                A, B, scaling = factors[slot]
+                expected[r] = expected[r] + F.linear(F.linear(x[r], A), B) * (float(scale[r, k]) * scaling)
+    return weights, x, out, index, scale, expected
+
+
+def _worker_triton_half() -> tuple:
+    from engine.lora import kernel
+
+    weights, x, out, index, scale, _ = _peft_half_case()
+    kernel.add_lora_triton(out, x, weights, RowGroups.build(index, scale, for_kernel=True))
+    return out.float().numpy()
+
+
+def test_half_precision_scaling_after_rounding_as_peft(triton_interpreter):
+    """peft scales `lora_B(lora_A(x))` after it is rounded to fp16 and adds adapter by
+    adapter: the reference matches it bit for bit, the kernel to within one fp16 rounding."""
+    weights, x, out, index, scale, expected = _peft_half_case()
+    got = out.clone()
+    add_lora_reference(got, x, weights, RowGroups.build(index, scale))
+    assert torch.equal(got, expected)
+    kernel_out = torch.from_numpy(triton_interpreter.submit(_worker_triton_half).result(timeout=300))
+    ulp = expected.float().abs() * 2 ** -10 + 2 ** -24
+    assert bool(((kernel_out - expected.float()).abs() <= ulp).all())
+    assert torch.equal(kernel_out[2], out[2].float())  # the row without adapters untouched
+
+
+# ---- convolutions: 1×1 with stride and padding, k×k without a host sync ----------------------
+
+def _peft_conv_delta(x, A, B, base: torch.nn.Conv2d, scaling: float) -> torch.Tensor:
+    """peft's conv LoRA: lora_A a conv with the base's kernel, stride, padding (zeros) and
+    dilation, lora_B a 1×1 conv; times scaling."""
+    F = torch.nn.functional
+    v = F.conv2d(x, A.reshape(A.shape[0], *base.weight.shape[1:]), None, base.stride, base.padding, base.dilation)
+    return F.conv2d(v, B.reshape(*B.shape, 1, 1)) * scaling
+
+
+@pytest.mark.parametrize("kernel,stride,padding,mode", [
+    (1, 2, 1, "zeros"), (1, (1, 2), (2, 0), "reflect"), (1, 1, "same", "zeros"), (3, 2, 1, "zeros")])
+def test_conv_lora_with_stride_and_padding_equals_peft(kernel, stride, padding, mode):
+    from engine.lora.kernel import add_lora_conv_gathered
+    from engine.lora.layers import AdapterRows, LoraConv2d
+
+    g = torch.Generator().manual_seed(9)
+    base = torch.nn.Conv2d(6, 10, kernel, stride=stride, padding=padding, padding_mode=mode)
+    rows = AdapterRows()
+    layer = LoraConv2d(base, 3, rows)
+    factors = {slot: (torch.randn(r, 6, kernel, kernel, generator=g), torch.randn(10, r, generator=g), s)
+               for slot, r, s in ((0, 4, 2.0), (2, 3, 0.5))}
+    for slot, (A, B, s) in factors.items():
+        layer.weights.put(slot, A, B, s)
+    index = torch.tensor([[0, 2], [-1, -1], [2, -1]], dtype=torch.int32)
+    scale = torch.tensor([[0.5, 1.5], [0.0, 0.0], [-1.0, 0.0]])
+    x = torch.randn(3, 6, 9, 7, generator=g)
+    rows.bind(index, scale)
+    got = layer(x)
+    expected = base(x)
+    for r in range(3):
+        for k in range(2):
+            slot = int(index[r, k])
+            if slot >= 0:
+                A, B, s = factors[slot]
+                expected[r] += _peft_conv_delta(x[r:r + 1], A, B, base, float(scale[r, k]) * s)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the sync-free form CUDA takes (every (row, k) entry, one grouped conv) gives the same
+    gathered = base(x)
+    add_lora_conv_gathered(gathered, x, layer.weights, RowGroups.build(index, scale, for_kernel=True),
+                           layer.stride, layer.padding, layer.dilation)
+    torch.testing.assert_close(gathered, expected, rtol=1e-5, atol=1e-5)

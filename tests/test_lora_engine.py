@@ -150,3 +150,24 @@ def test_a_full_adapter_pool_makes_admission_wait_and_evicts_only_unreferenced(s
     finally:
         tight.uninstall()
         pool.install()
+
+
+def test_calls_without_adapters_leave_the_adapter_rows_out(setup, monkeypatch):
+    """A denoiser call none of whose requests names an adapter carries no `lora_index` /
+    `lora_scale`: its wrapped layers run as the base layers (on CUDA no LoRA kernel is
+    launched), and under graphs it has a graph of its own. A call with one does carry them."""
+    folder, lora_dir, model, pool = setup
+    seen = []
+    run_model = type(model).run
+
+    def watched(self, inputs):
+        seen.append(inputs.lora_index is not None)
+        return run_model(self, inputs)
+
+    monkeypatch.setattr(type(model), "run", watched)
+    core = EngineCore(model, CoreConfig(slots=2), adapters=pool)
+    run(core, {"plain": p("a red circle", {}, seed=1, steps=2)})
+    assert seen and not any(seen)
+    seen.clear()
+    run(core, {"plain": p("a red circle", {}, seed=1, steps=2), "lora": p("a blue square", {"A": 1.0}, seed=2, steps=2)})
+    assert any(seen)

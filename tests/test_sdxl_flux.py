@@ -466,3 +466,17 @@ def test_half_precision_weights_keep_float32_latents(folders, name):
     err = rel_l2(got, pipeline_output_of(folders[name], p))
     print(f"{name} bf16 weights vs fp32 pipeline: relative L2 {err:.2e}")
     assert 0 < err < 0.05, err
+
+
+def test_request_inputs_are_host_tensors_whatever_the_device(folders):
+    """Per-request inputs are made at intake on the busy loop: built on the host (the slot
+    storage stages them), never copied to the model's device there, where a copy waits for
+    every queued step. A device this machine lacks shows any such copy: it would raise."""
+    for name in ("sdxl", "flux-dev"):
+        model = model_of(folders[name])
+        model.device = torch.device("cuda", 7)
+        try:
+            inputs = model.request_inputs(params(prompt="a red circle", guidance=3.5), 16, 16)
+        finally:
+            model.device = torch.device("cpu")
+        assert inputs and all(t.device.type == "cpu" for t in inputs.values()), name

@@ -52,10 +52,12 @@ class Staged:
         self.host: dict[str, np.ndarray] = owner._host_views[k]
 
     def upload(self, counts: dict[str, int] | None = None, stream=None) -> dict[str, torch.Tensor]:
-        """One host-to-device copy of the whole staging buffer (bytes up to the end of the
-        last field used); returns each field's device view, its first `counts[name]` rows
-        (default: all). The ring slot is free again once this copy's event completes."""
-        return self._owner._upload(self._k, counts or {}, stream)
+        """One host-to-device copy of the staging buffer up to the end of the last field
+        used; returns each field's device view, its first `counts[name]` rows. With
+        `counts`, a field it does not name is unused this step (0 rows, nothing copied);
+        without, every field is full. The ring slot is free again once this copy's event
+        completes."""
+        return self._owner._upload(self._k, counts, stream)
 
 
 class PinnedBuffers:
@@ -91,6 +93,7 @@ class PinnedBuffers:
         self._next = 0
         self._event_factory = event_factory
         self.uploads = 0  # upload() calls (each at most one host-to-device copy)
+        self.last_upload_bytes = 0  # bytes the last upload() copied
         self.waits = 0  # acquires that had to wait for a ring slot's earlier copy
 
     @property
@@ -115,13 +118,17 @@ class PinnedBuffers:
         self._events[k] = None
         return Staged(self, k)
 
-    def _upload(self, k: int, counts: dict[str, int], stream) -> dict[str, torch.Tensor]:
-        for name in counts:
+    def _upload(self, k: int, counts: dict[str, int] | None, stream) -> dict[str, torch.Tensor]:
+        for name in counts or ():
             if name not in self.layout:
                 raise KeyError(f"no staged field {name!r}")
+
+        def rows_of(name: str, shape: tuple) -> int:
+            return shape[0] if counts is None else counts.get(name, 0)
+
         end = 0  # fields lie in order: copy up to the end of the last used row
         for name, (offset, dtype, shape) in self.layout.items():
-            rows = counts.get(name, shape[0])
+            rows = rows_of(name, shape)
             if rows > shape[0] or rows < 0:
                 raise ValueError(f"{name}: {rows} rows staged, capacity {shape[0]}")
             if rows:
@@ -138,9 +145,10 @@ class PinnedBuffers:
             event = self._event_factory() if self._event_factory else _HostEvent()
         self._events[k] = event
         self.uploads += 1
+        self.last_upload_bytes = end
         views = {}
         for name, (offset, dtype, shape) in self.layout.items():
-            rows = counts.get(name, shape[0])
+            rows = rows_of(name, shape)
             count = int(np.prod(shape[1:])) * rows
             tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
             views[name] = dev[offset:offset + count * dtype.itemsize].view(tdtype).view(rows, *shape[1:])

@@ -26,6 +26,9 @@ from engine.models.inputs import ModelInputs
 
 log = logging.getLogger("diffslot.core")
 
+#: The per-row adapter inputs (`ModelInputs`), left out of a call whose rows have none.
+ADAPTER_FIELDS = ("lora_index", "lora_scale")
+
 
 class Runner:
     def __init__(self, model, config, device: torch.device, fences, schedule_capacity: int,
@@ -145,11 +148,15 @@ class Runner:
         dev = self._upload(group, arrays)
         noise = dev["noise"] if noise is not None else torch.empty(0, device=self.device)
         first = row_conditioning[0]
+        # a call none of whose requests names an adapter leaves the adapter rows out: its
+        # wrapped layers are the base layers (no LoRA kernel launched), and it has its own graph
+        skipped = () if any(r.adapters for r in plan.requests) else ADAPTER_FIELDS
         inputs = ModelInputs(
             sample=None, timestep=dev["row_timestep"],
             hidden=torch.stack([c.hidden for c in row_conditioning]),
             pooled=None if first.pooled is None else torch.stack([c.pooled for c in row_conditioning]),
-            **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()})
+            **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
+               if name not in skipped})
         return Batch(
             slots=act, index=dev["index"], index_host=index, coefs=dev["coefs"],
             generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),

@@ -8,7 +8,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class AdapterResidency(Protocol):
-    #: bumped whenever a wrapped layer's adapter layout changes (what a captured graph depends on)
+    #: bumped whenever what a captured graph of the denoiser reads of the adapters changes
+    #: other than through the device tables updated in place (a k×k conv layer's adapters)
     layout_version: int
 
     def names(self) -> list[str]:
@@ -25,7 +26,7 @@ class AdapterResidency(Protocol):
         """Drop one reference per slot (after the fence of the slot's last launch)."""
 
     def row_inputs(self, slots: Sequence[int], scales: Sequence[float], rows: int = 2) -> dict:
-        """A request's `lora_index` / `lora_scale` rows (preparation)."""
+        """A request's `lora_index` / `lora_scale` rows (preparation), host tensors."""
 
     def text_encoder_key(self, loras: Mapping[str, float] | None) -> tuple:
         """What an embedding's cache key must add for these adapters."""

@@ -18,21 +18,31 @@ Two implementations of one function:
   model above all, the op count is the cost). Rows with no adapter are never touched; a
   call whose every row has exactly one adapter skips the gather and adds in place.
 * `add_lora_triton`: the same as two kernels, as Punica's SGMV. *Shrink*: one program per
-  (entry, token block), entries ordered by adapter so programs sharing an adapter's A run
-  together; V[entry] = scale · (x[row] @ Aᵀ) at the layer's padded rank block, ragged ranks
-  masked by each slot's own rank. *Expand*: one program per (row, token block, out block)
-  sums its row's K entries V @ Bᵀ and adds to `out` in place (no atomics: a row's
-  adapters meet in one program). Entries with slot -1 or rank 0 exit at once; a row with no
-  adapter loads its K index entries and nothing else. The rank block is
-  `max(16, next_pow2(max rank resident in the layer))` (tl.dot's minimum is 16), so a
-  new adapter of a larger rank recompiles once for that block size.
+  (entry, token block, rank block), entries ordered by adapter so programs sharing an
+  adapter's A run together; V[entry] = x[row] @ Aᵀ, rounded to the weights' dtype (as
+  peft's `lora_A(x)`), over the adapter's own rank. *Expand*: one program per (row, token
+  block, out block) adds its row's K entries in order, each `(V @ Bᵀ) · scale` rounded as
+  peft rounds `lora_B(lora_A(x)) * scaling` and then the sum, into `out` in place (no
+  atomics: a row's adapters meet in one program). Entries with slot -1 or rank 0 exit at
+  once; a row with no adapter loads its K index entries and nothing else.
 
-Ragged ranks: the kernel reads each adapter at its own rank (masked inside one rank
-block; nothing padded in memory); the reference pads to the layer's largest resident rank
-in a host-side stack built after each load or eviction (zeros cost a little compute).
+Rank tiling. Both kernels walk the rank in blocks of `RANK_BLOCK` (the shrink as a grid
+dimension, the expand as a loop bounded by each adapter's own rank read from the device
+table), so the compiled kernels and their shared memory and registers do not depend on
+any adapter's rank: any rank runs, and a new adapter never recompiles. Only the scratch V
+is as wide as the layer's largest resident rank (rounded up to a block), or, inside a
+CUDA-graph capture, as the layer's rank limit, so a graph stays valid whatever the pool
+loads or evicts later.
+
+Ragged ranks: the kernel reads each adapter at its own rank (nothing padded in memory);
+the reference pads to the layer's largest resident rank in a host-side stack built after
+each load or eviction (zeros cost a little compute).
 
 Dispatch (`add_lora_`): the Triton kernel on CUDA, the reference on CPU. Conv layers of
-kernel > 1 (LoCon's 3×3) only have the reference (a conv per adapter), on both.
+kernel > 1 (LoCon's 3×3) have two torch versions: a conv per adapter where the call's
+adapters are known on the host (CPU), and, on CUDA, one grouped conv over every (row, k)
+entry against a stacked copy of the layer's adapters, which needs no host sync and can be
+captured in a graph.
 """
 from __future__ import annotations
 
@@ -50,14 +60,35 @@ except ImportError:  # platforms without a triton wheel still run the CPU path
     triton = None
 
 
+#: The kernels' rank tile (tl.dot's minimum is 16): fixed, so no adapter's rank changes
+#: what is compiled. 32 keeps the shrink's accumulator and the expand's operand tiles small
+#: enough for registers at every dtype on sm_90.
+RANK_BLOCK = 32
+
+#: Launch options of both kernels: with 4 warps, ptxas spills registers (sm_90, every dtype).
+LAUNCH_OPTIONS = {"num_warps": 8}
+
+#: The largest adapter rank a layer takes unless told otherwise.
+DEFAULT_RANK_LIMIT = 256
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class SlotWeights:
     """One layer's adapters, by pool slot: A (rank × in [× kh × kw]), B (out × rank), the
-    layer scaling, and (lazily, on the weights' device) the tables the kernel reads."""
+    layer scaling, and (on CUDA from the start, elsewhere on first use) the device tables
+    the kernel reads. `rank_limit`: the largest rank `put` takes (what a graph-captured
+    call sizes its scratch for)."""
 
     def __init__(self, capacity: int, in_features: int, out_features: int, device: torch.device,
-                 dtype: torch.dtype, kernel_size: tuple[int, int] = (1, 1)):
+                 dtype: torch.dtype, kernel_size: tuple[int, int] = (1, 1), rank_limit: int = DEFAULT_RANK_LIMIT):
+        if rank_limit < 1:
+            raise ValueError(f"rank_limit must be at least 1, not {rank_limit}")
         self.capacity, self.in_features, self.out_features = capacity, in_features, out_features
         self.device, self.dtype, self.kernel_size = torch.device(device), dtype, tuple(kernel_size)
+        self.rank_limit = int(rank_limit)
         self.A: list[torch.Tensor | None] = [None] * capacity
         self.B: list[torch.Tensor | None] = [None] * capacity
         self.scaling = [0.0] * capacity
@@ -65,6 +96,10 @@ class SlotWeights:
         self.max_rank = 0  # over resident slots; 0: no adapter targets this layer now
         self._tables = None  # (a_ptrs int64, b_ptrs int64, ranks int32, scalings float32) on device
         self._stack = None  # the reference's padded stack, rebuilt after a change
+        if self.device.type == "cuda" and self.is_pointwise:
+            # made now, not at a first call that may be inside a graph capture (where the
+            # host-to-device copy of a new table cannot run)
+            self.tables()
 
     @property
     def is_pointwise(self) -> bool:
@@ -73,6 +108,8 @@ class SlotWeights:
 
     def put(self, slot: int, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
         rank = int(A.shape[0])
+        if rank > self.rank_limit:
+            raise ValueError(f"LoRA rank {rank} is above this layer's limit of {self.rank_limit}")
         if self.is_pointwise and A.dim() == 4:  # a 1×1 conv's factors are matrices
             A = A.reshape(rank, -1)
         B = B.reshape(B.shape[0], -1)
@@ -95,7 +132,7 @@ class SlotWeights:
     def _changed(self, slot: int) -> None:
         self.max_rank = max(self.rank)
         self._stack = None
-        if self._tables is not None:  # keep the device tables in step (one tiny copy per load)
+        if self._tables is not None:  # keep the device tables in step (fills, no host sync)
             a, b, r, s = self._tables
             a[slot] = 0 if self.A[slot] is None else self.A[slot].data_ptr()
             b[slot] = 0 if self.B[slot] is None else self.B[slot].data_ptr()
@@ -112,24 +149,42 @@ class SlotWeights:
                             torch.tensor(self.scaling, dtype=torch.float32, device=self.device))
         return self._tables
 
-    def reference_stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Aᵀ stack: slots × in × rank, Bᵀ·scaling stack: slots × rank × out) for the
-        reference, indexed by slot up to the highest one resident in this layer (the pool
-        hands out the lowest free slot, so it stays compact), then one zero row that every
-        higher slot reads (`RowGroups.slots_below`); zero-padded to the layer's largest
-        resident rank, zeros for slots that do not target this layer. Built on first use after a load
-        or an eviction; the price of the reference's fixed op count is this padded host copy
-        (about the adapters' bytes again, on the host); the kernel never builds it."""
+    def scratch_rank(self, capturing: bool = False) -> int:
+        """The width of the kernel's scratch V: the largest resident rank rounded up to the
+        rank tile, or, in a graph capture, the rank limit's (the graph must hold whatever
+        is loaded after it)."""
+        return _round_up(self.rank_limit if capturing else max(self.max_rank, 1), RANK_BLOCK)
+
+    def reference_stack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Aᵀ stack: slots × in × rank, Bᵀ stack: slots × rank × out, scalings: slots) for
+        the reference, indexed by slot up to the highest one resident in this layer (the
+        pool hands out the lowest free slot, so it stays compact), then one zero row that
+        every higher slot reads (`RowGroups.slots_below`); zero-padded to the layer's largest
+        resident rank, zeros for slots that do not target this layer. A k×k conv's Aᵀ stack
+        is slots × rank × in × kh × kw instead. Built on first use after a load or an
+        eviction; the price of the reference's fixed op count is this padded copy (about
+        the adapters' bytes again); the kernel never builds it."""
         if self._stack is None:
             resident = [s for s in range(self.capacity) if self.A[s] is not None]
             slots, rank = (max(resident) + 2 if resident else 1), self.max_rank
-            stacked_At = torch.zeros(slots, self.in_features, rank, dtype=self.dtype, device=self.device)
-            stacked_Bt = torch.zeros(slots, rank, self.out_features, dtype=self.dtype, device=self.device)
+            kw = dict(dtype=self.dtype, device=self.device)
+            if self.is_pointwise:
+                stacked_A = torch.zeros(slots, self.in_features, rank, **kw)
+            else:
+                stacked_A = torch.zeros(slots, rank, self.in_features, *self.kernel_size, **kw)
+            stacked_Bt = torch.zeros(slots, rank, self.out_features, **kw)
+            scalings = torch.zeros(slots, dtype=torch.float32)
             for slot in resident:
                 r = self.rank[slot]
-                stacked_At[slot, :, :r] = self.A[slot].reshape(r, self.in_features).t()
-                stacked_Bt[slot, :r] = (self.B[slot] * self.scaling[slot]).t()
-            self._stack = (stacked_At, stacked_Bt)
+                if self.is_pointwise:
+                    stacked_A[slot, :, :r] = self.A[slot].t()
+                else:
+                    stacked_A[slot, :r] = self.A[slot]
+                stacked_Bt[slot, :r] = self.B[slot].t()
+                scalings[slot] = self.scaling[slot]
+            if self.device.type == "cuda":  # page-locked, so the copy does not wait for the stream
+                scalings = scalings.pin_memory().to(self.device, non_blocking=True)
+            self._stack = (stacked_A, stacked_Bt, scalings)
         return self._stack
 
     @property
@@ -196,19 +251,32 @@ class RowGroups:
         if self.entry_rows is not None:
             return
         row_of, k_of = (self.index >= 0).nonzero(as_tuple=True)
+        self.__dict__["_entry_k"] = k_of
         self.entry_rows, self.entry_slots = row_of, self.index[row_of, k_of].long()
         self.entry_scales = self.scale[row_of, k_of]
         self.identity = row_of.numel() == self.rows and bool(
             (row_of == torch.arange(self.rows, device=row_of.device)).all())
 
-    def scale_column(self, dtype: torch.dtype) -> torch.Tensor:
-        """The entries' scales as an entries × 1 × 1 column of `dtype` (made once per call)."""
-        cache = self.__dict__.setdefault("_scale_columns", {})
-        column = cache.get(dtype)
-        if column is None:
+    def column_splits(self) -> list[torch.Tensor] | None:
+        """The reference's entries split by k (positions into the entries), so that a row's
+        adapters are added one at a time; None when no row has more than one (made once)."""
+        if "_columns" not in self.__dict__:
             self._entries()
-            column = cache[dtype] = self.entry_scales.to(dtype)[:, None, None]
-        return column
+            k_of = self.__dict__["_entry_k"]
+            counts = torch.bincount(self.entry_rows, minlength=self.rows)
+            self.__dict__["_columns"] = None if counts.numel() == 0 or int(counts.max()) <= 1 else [
+                (k_of == k).nonzero(as_tuple=True)[0] for k in range(self.width) if bool((k_of == k).any())]
+        return self.__dict__["_columns"]
+
+    def dense_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every (row, k) as an entry, -1 ones included: (rows, slots, scales), flat, on the
+        call's device, made with no host sync (the k×k conv path on CUDA); made once."""
+        cache = self.__dict__.get("_dense")
+        if cache is None:
+            width = self.width
+            rows = torch.arange(self.rows, device=self.index.device).repeat_interleave(width)
+            cache = self.__dict__["_dense"] = (rows, self.index.reshape(-1).long(), self.scale.reshape(-1))
+        return cache
 
     def slots_below(self, zero_row: int) -> torch.Tensor:
         """The entries' slots, those ≥ `zero_row` sent to it (a stack's zero row); made once
@@ -244,8 +312,23 @@ def _check_operands(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, gr
                          "(a layer that folds the batch into another dimension cannot take per-row adapters)")
 
 
+def _entry_scales(entry_scales: torch.Tensor, slots: torch.Tensor, scalings: torch.Tensor) -> torch.Tensor:
+    """Each entry's scale times its adapter's layer scaling (peft's `scaling`: the adapter
+    weight × lora_alpha / r), float32, as an entries × 1 × 1 column."""
+    return (entry_scales * scalings.index_select(0, slots))[:, None, None]
+
+
+def _scaled(delta: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`delta * scaling` as peft computes `lora_B(lora_A(x)) * scaling`: the product
+    rounded once to delta's dtype."""
+    if delta.dtype == torch.float32:
+        return delta.mul_(scales)
+    return (delta.float() * scales).to(delta.dtype)
+
+
 def add_lora_reference(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, groups: RowGroups) -> None:
-    """out[r] += Σ_k scale[r,k] · scaling_a · (x[r] @ A_aᵀ) @ B_aᵀ, in place, in x's dtype.
+    """out[r] += Σ_k round(round(B_a (A_a x[r])) · scale[r,k] · scaling_a), in place, in x's
+    dtype, each entry added in its order (peft's rounding, adapter by adapter).
 
     A fixed handful of ops whatever the number of adapters in the call (on a small model
     the op count is the cost): each entry gathers its adapter's factors from the layer's
@@ -254,46 +337,86 @@ def add_lora_reference(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights,
     if weights.max_rank == 0:
         return
     groups._entries()
-    stacked_At, stacked_Bt = weights.reference_stack()
+    stacked_At, stacked_Bt, scalings = weights.reference_stack()
     slots = groups.slots_below(stacked_At.shape[0] - 1)
     At = stacked_At.index_select(0, slots)  # entries × in × rank
-    Bt = stacked_Bt.index_select(0, slots)  # entries × rank × out, the layer scaling folded in
+    Bt = stacked_Bt.index_select(0, slots)  # entries × rank × out
+    scales = _entry_scales(groups.entry_scales, slots, scalings)
     xe = x if groups.identity else x.index_select(0, groups.entry_rows)
     v = torch.bmm(xe, At)  # shrink: entries × tokens × rank
-    v.mul_(groups.scale_column(v.dtype))
+    if x.dtype == torch.float32:  # no rounding to follow: the scale where it costs least
+        v.mul_(scales)
+        if groups.identity:
+            out.baddbmm_(v, Bt)  # expand, added in place
+        else:
+            out.index_add_(0, groups.entry_rows, torch.bmm(v, Bt))
+        return
+    delta = _scaled(torch.bmm(v, Bt), scales)
+    columns = None if groups.identity else groups.column_splits()
     if groups.identity:
-        out.baddbmm_(v, Bt)  # expand, added in place
-    else:
-        out.index_add_(0, groups.entry_rows, torch.bmm(v, Bt))
+        out.add_(delta)
+    elif columns is None:
+        out.index_add_(0, groups.entry_rows, delta)
+    else:  # index_add sums a row's entries before rounding; peft rounds after each adapter
+        for picked in columns:
+            out.index_add_(0, groups.entry_rows.index_select(0, picked), delta.index_select(0, picked))
 
 
 def add_lora_conv_reference(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, groups: RowGroups,
                             stride, padding, dilation) -> None:
-    """The same for a k×k conv (peft's conv LoRA: A is a conv with the base kernel, stride and
-    padding, B a 1×1 conv): x rows × in × h × w, out rows × out × h' × w'."""
+    """The same for a conv of any kernel (peft's conv LoRA: A is a conv with the base kernel,
+    stride and padding, B a 1×1 conv): x rows × in × h × w, out rows × out × h' × w'. On
+    CPU a conv per adapter in the call; on CUDA `add_lora_conv_gathered` (no host sync)."""
     if x.shape[0] != groups.rows:
         raise ValueError(f"lora: the conv sees {x.shape[0]} rows, the call bound adapters for {groups.rows}")
     if weights.max_rank == 0:
         return
+    if x.is_cuda:
+        add_lora_conv_gathered(out, x, weights, groups, stride, padding, dilation)
+        return
+    conv_shape = (weights.in_features, *weights.kernel_size)
     for g in groups.groups:
         A, B = weights.A[g.slot], weights.B[g.slot]
         if A is None:
             continue
         xa = x if g.all_rows else x.index_select(0, g.rows)
-        v = F.conv2d(xa, A, None, stride, padding, dilation)
-        v = v * (g.scales * weights.scaling[g.slot]).to(v.dtype)[:, None, None, None]
-        delta = torch.einsum("nrhw,or->nohw", v, B)
+        v = F.conv2d(xa, A.reshape(A.shape[0], *conv_shape), None, stride, padding, dilation)
+        delta = _scaled(torch.einsum("nrhw,or->nohw", v, B),
+                        (g.scales * weights.scaling[g.slot])[:, None, None, None])
         if g.all_rows:
             out.add_(delta)
         else:
             out.index_add_(0, g.rows, delta)
 
 
+def add_lora_conv_gathered(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, groups: RowGroups,
+                           stride, padding, dilation) -> None:
+    """A conv layer's deltas with no host sync: every (row, k) entry (-1 ones reading the
+    stack's zero row) in one grouped conv against the entries' stacked A, one batched
+    matmul with their B, one index_add into `out`. The op count and shapes depend only on
+    the call's rows and K, so it runs inside a graph capture."""
+    stacked_A, stacked_Bt, scalings = weights.reference_stack()
+    zero_row = stacked_A.shape[0] - 1
+    rows, slots, entry_scales = groups.dense_entries()
+    slots = torch.where(slots < 0, zero_row, slots.clamp(max=zero_row))
+    entries, rank = int(slots.shape[0]), stacked_Bt.shape[1]
+    A = stacked_A.index_select(0, slots)
+    if weights.is_pointwise:  # in × rank matrices: back to rank × in × 1 × 1 convs
+        A = A.transpose(1, 2)
+    A = A.reshape(entries * rank, weights.in_features, *weights.kernel_size)
+    xe = x.index_select(0, rows)
+    v = F.conv2d(xe.reshape(1, -1, *x.shape[2:]), A, None, stride, padding, dilation, groups=entries)
+    v = v.reshape(entries, rank, -1)  # entries × rank × h'w'
+    delta = torch.bmm(stacked_Bt.index_select(0, slots).transpose(1, 2), v)  # entries × out × h'w'
+    delta = _scaled(delta, _entry_scales(entry_scales, slots, scalings))
+    out.index_add_(0, rows, delta.view(entries, *out.shape[1:]))
+
+
 if triton is not None:
 
     @triton.jit
-    def _lora_shrink_kernel(x_ptr, v_ptr, index_ptr, scale_ptr, order_ptr, a_ptrs, ranks_ptr, scalings_ptr,
-                            tokens, in_features, sx_row, sx_tok, sx_in,
+    def _lora_shrink_kernel(x_ptr, v_ptr, index_ptr, order_ptr, a_ptrs, ranks_ptr,
+                            tokens, in_features, v_width, sx_row, sx_tok, sx_in,
                             K: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
                             PRECISION: tl.constexpr):
         # programs in adapter order: neighbours share an adapter's A (in cache)
@@ -301,67 +424,84 @@ if triton is not None:
         slot = tl.load(index_ptr + e)
         if slot >= 0:
             rank = tl.load(ranks_ptr + slot)
-            if rank > 0:
+            r0 = tl.program_id(2) * R_BLOCK
+            if r0 < rank:
                 row = (e // K).to(tl.int64)
                 a_base = tl.load(a_ptrs + slot).to(x_ptr.dtype)  # A: rank × in, contiguous, x's dtype
-                s = tl.load(scale_ptr + e) * tl.load(scalings_ptr + slot)
                 t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-                r = tl.arange(0, R_BLOCK)
+                r = r0 + tl.arange(0, R_BLOCK)
                 acc = tl.zeros((BLOCK_T, R_BLOCK), dtype=tl.float32)
                 for i0 in range(0, in_features, BLOCK_I):
                     i = i0 + tl.arange(0, BLOCK_I)
                     xt = tl.load(x_ptr + row * sx_row + t[:, None] * sx_tok + i[None, :] * sx_in,
                                  mask=(t[:, None] < tokens) & (i[None, :] < in_features), other=0.0)
-                    at = tl.load(a_base + r[None, :] * in_features + i[:, None],
+                    at = tl.load(a_base + r[None, :].to(tl.int64) * in_features + i[:, None],
                                  mask=(r[None, :] < rank) & (i[:, None] < in_features), other=0.0)
                     acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-                v_ptrs = v_ptr + e.to(tl.int64) * tokens * R_BLOCK + t[:, None] * R_BLOCK + r[None, :]
-                tl.store(v_ptrs, acc * s, mask=t[:, None] < tokens)
+                # rounded to the weights' dtype, as peft's lora_A(x)
+                v_ptrs = v_ptr + (e.to(tl.int64) * tokens + t[:, None]) * v_width + r[None, :]
+                tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=(t[:, None] < tokens) & (r[None, :] < rank))
 
     @triton.jit
-    def _lora_expand_kernel(out_ptr, v_ptr, index_ptr, b_ptrs, ranks_ptr, tokens, out_features,
-                            so_row, so_tok, so_out,
+    def _lora_expand_kernel(out_ptr, v_ptr, index_ptr, scale_ptr, b_ptrs, ranks_ptr, scalings_ptr, tokens,
+                            out_features, v_width, so_row, so_tok, so_out,
                             K: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
                             PRECISION: tl.constexpr):
         row = tl.program_id(0)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
-        r = tl.arange(0, R_BLOCK)
-        acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
-        used = row * 0  # adapters applied to this row (a runtime int, so it can change in the loop)
+        used = row * 0  # adapters of this row (a runtime int, so it can change in the loop)
         for k in range(K):
-            e = row * K + k
-            slot = tl.load(index_ptr + e)
+            slot = tl.load(index_ptr + row * K + k)
             if slot >= 0:
-                rank = tl.load(ranks_ptr + slot)
-                if rank > 0:
-                    b_base = tl.load(b_ptrs + slot).to(out_ptr.dtype)  # B: out × rank, contiguous
-                    vt = tl.load(v_ptr + e.to(tl.int64) * tokens * R_BLOCK + t[:, None] * R_BLOCK + r[None, :],
-                                 mask=(t[:, None] < tokens) & (r[None, :] < rank), other=0.0)
-                    bt = tl.load(b_base + o[None, :] * rank + r[:, None],
-                                 mask=(r[:, None] < rank) & (o[None, :] < out_features), other=0.0)
-                    # the rank-r intermediate in the weights' dtype, as peft's lora_B(lora_A(x))
-                    acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=PRECISION)
+                if tl.load(ranks_ptr + slot) > 0:
                     used += 1
         if used > 0:
+            t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+            o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
             mask = (t[:, None] < tokens) & (o[None, :] < out_features)
             ptrs = out_ptr + row.to(tl.int64) * so_row + t[:, None] * so_tok + o[None, :] * so_out
-            current = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, (current.to(tl.float32) + acc).to(current.dtype), mask=mask)
+            current = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            for k in range(K):
+                e = row * K + k
+                slot = tl.load(index_ptr + e)
+                if slot >= 0:
+                    rank = tl.load(ranks_ptr + slot)
+                    if rank > 0:
+                        b_base = tl.load(b_ptrs + slot).to(out_ptr.dtype)  # B: out × rank, contiguous
+                        s = tl.load(scale_ptr + e) * tl.load(scalings_ptr + slot)
+                        acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
+                        for r0 in range(0, rank, R_BLOCK):
+                            r = r0 + tl.arange(0, R_BLOCK)
+                            vt = tl.load(v_ptr + (e.to(tl.int64) * tokens + t[:, None]) * v_width + r[None, :],
+                                         mask=(t[:, None] < tokens) & (r[None, :] < rank), other=0.0)
+                            bt = tl.load(b_base + o[None, :].to(tl.int64) * rank + r[:, None],
+                                         mask=(r[:, None] < rank) & (o[None, :] < out_features), other=0.0)
+                            acc = tl.dot(vt, bt, acc, input_precision=PRECISION)
+                        # peft: result + lora_B(lora_A(x)) * scaling, each step rounded to the dtype
+                        term = (acc.to(out_ptr.dtype.element_ty).to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+                        current = (current + term.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(ptrs, current.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rank_block(max_rank: int) -> int:
-    """The kernel's rank tile: tl.dot needs at least 16."""
-    return max(16, triton.next_power_of_2(max_rank)) if triton is not None else max(16, max_rank)
+def rank_block(max_rank: int = 0) -> int:
+    """The kernels' rank tile, whatever the rank (kept for callers that ask)."""
+    return RANK_BLOCK
+
+
+def capturing(device: torch.device) -> bool:
+    """Inside a CUDA-graph capture on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def add_lora_triton(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, groups: RowGroups,
                     block_t: int = 64, block_i: int = 64, block_o: int = 64) -> None:
-    """The kernel version of `add_lora_reference` (Linear or 1×1 conv layers)."""
+    """The kernel version of `add_lora_reference` (Linear or 1×1 conv layers). Inside a
+    graph capture it launches even while the layer has no adapter, with scratch for the
+    rank limit, so the graph serves whatever the pool holds when it is replayed."""
     _check_operands(out, x, weights, groups)
     if not weights.is_pointwise:
         raise ValueError("lora: the kernel takes Linear and 1×1 conv layers; k×k convs use the reference")
-    if weights.max_rank == 0:
+    captured = capturing(out.device)
+    if weights.max_rank == 0 and not captured:
         return
     if groups.order is None:
         raise ValueError("lora: these RowGroups were built for the reference (no device entry order)")
@@ -376,20 +516,22 @@ def add_lora_triton(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, gr
         return
     width = groups.width
     a_ptrs, b_ptrs, ranks, scalings = weights.tables()
-    r_block = rank_block(weights.max_rank)
+    v_width = weights.scratch_rank(captured)
     # fp32 stays fp32 (no TF32), so the kernel matches the reference and the oracle
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     block_t = min(block_t, max(16, triton.next_power_of_2(tokens)))
-    v = torch.empty(rows * width, tokens, r_block, dtype=torch.float32, device=device)
+    v = torch.empty(rows * width, tokens, v_width, dtype=x.dtype, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _lora_shrink_kernel[(rows * width, triton.cdiv(tokens, block_t))](
-            x, v, groups.index, groups.scale, groups.order, a_ptrs, ranks, scalings,
-            tokens, weights.in_features, x.stride(0), x.stride(1), x.stride(2),
-            K=width, R_BLOCK=r_block, BLOCK_T=block_t, BLOCK_I=block_i, PRECISION=precision)
+        _lora_shrink_kernel[(rows * width, triton.cdiv(tokens, block_t), v_width // RANK_BLOCK)](
+            x, v, groups.index, groups.order, a_ptrs, ranks,
+            tokens, weights.in_features, v_width, x.stride(0), x.stride(1), x.stride(2),
+            K=width, R_BLOCK=RANK_BLOCK, BLOCK_T=block_t, BLOCK_I=block_i, PRECISION=precision,
+            **LAUNCH_OPTIONS)
         _lora_expand_kernel[(rows, triton.cdiv(tokens, block_t), triton.cdiv(weights.out_features, block_o))](
-            out, v, groups.index, b_ptrs, ranks, tokens, weights.out_features,
+            out, v, groups.index, groups.scale, b_ptrs, ranks, scalings, tokens, weights.out_features, v_width,
             out.stride(0), out.stride(1), out.stride(2),
-            K=width, R_BLOCK=r_block, BLOCK_T=block_t, BLOCK_O=block_o, PRECISION=precision)
+            K=width, R_BLOCK=RANK_BLOCK, BLOCK_T=block_t, BLOCK_O=block_o, PRECISION=precision,
+            **LAUNCH_OPTIONS)
 
 
 def add_lora_(out: torch.Tensor, x: torch.Tensor, weights: SlotWeights, groups: RowGroups) -> None:

@@ -8,8 +8,13 @@ row r with the adapters bound for this call.
 
 The rows come from one `AdapterRows` shared by all wrapped layers of a model:
 `DiffusionModel.run` calls `bind(lora_index, lora_scale)` before each denoiser call.
-`bind(None, None)` (or a call whose rows have no adapter, on CPU) leaves nothing bound
-and every wrapped layer is the base layer plus one attribute test.
+`bind(None, None)` (a call whose rows have no adapter: the runner leaves the adapter
+fields out of such a call, so on CUDA it launches no LoRA kernel either) leaves nothing
+bound and every wrapped layer is the base layer plus one attribute test.
+
+Inside a CUDA-graph capture a Linear or 1×1 conv layer launches its kernels even while it
+has no adapter (they read the pool's device tables when replayed, so the graph serves
+whatever is loaded later); eagerly, such a layer skips them.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.lora.kernel import RowGroups, SlotWeights, add_lora_, add_lora_conv_reference
+from engine.lora.kernel import (DEFAULT_RANK_LIMIT, RowGroups, SlotWeights, add_lora_, add_lora_conv_reference,
+                                capturing)
 
 
 class AdapterRows:
@@ -70,7 +76,7 @@ class _LoraLayer:
     module_name: str
 
     def _adopt(self, base: nn.Module, capacity: int, adapter_rows: AdapterRows, module_name: str,
-               kernel_size=(1, 1)) -> None:
+               kernel_size=(1, 1), rank_limit: int = DEFAULT_RANK_LIMIT) -> None:
         # the base's Parameter objects themselves: shared, never copied or modified
         self.register_parameter("weight", base.weight)
         self.register_parameter("bias", base.bias)
@@ -78,20 +84,26 @@ class _LoraLayer:
         self.adapter_rows, self.module_name = adapter_rows, module_name
         out_features, in_features = base.weight.shape[:2]
         self.weights = SlotWeights(capacity, in_features, out_features, base.weight.device, base.weight.dtype,
-                                   kernel_size)
+                                   kernel_size, rank_limit)
+
+    def _idle(self, out: torch.Tensor) -> bool:
+        """No adapter can reach this call's output: none resident here, and no capture that
+        must serve the ones loaded later."""
+        return self.weights.max_rank == 0 and not (self.weights.is_pointwise and capturing(out.device))
 
 
 class LoraLinear(nn.Linear, _LoraLayer):
     """`base(x) + Σ_k s[r,k] · B_a(A_a · x[r])` for each row r (x: rows × ... × in)."""
 
-    def __init__(self, base: nn.Linear, capacity: int, adapter_rows: AdapterRows, module_name: str = ""):
+    def __init__(self, base: nn.Linear, capacity: int, adapter_rows: AdapterRows, module_name: str = "",
+                 rank_limit: int = DEFAULT_RANK_LIMIT):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self._adopt(base, capacity, adapter_rows, module_name)
+        self._adopt(base, capacity, adapter_rows, module_name, rank_limit=rank_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        if self.weights.max_rank == 0:
+        if self._idle(out):
             return out
         groups = self.adapter_rows.for_rows(x.shape[0])
         if groups is None:
@@ -111,27 +123,43 @@ _CONV_ATTRIBUTES = ("in_channels", "out_channels", "kernel_size", "stride", "pad
 
 class LoraConv2d(nn.Conv2d, _LoraLayer):
     """The same for a Conv2d (groups 1): a 1×1 conv goes through the matmul path (the
-    kernel on CUDA), a k×k conv (LoCon) through a grouped conv per adapter."""
+    kernel on CUDA), whatever its stride and padding, a k×k conv (LoCon) through
+    `add_lora_conv_reference`."""
 
-    def __init__(self, base: nn.Conv2d, capacity: int, adapter_rows: AdapterRows, module_name: str = ""):
+    def __init__(self, base: nn.Conv2d, capacity: int, adapter_rows: AdapterRows, module_name: str = "",
+                 rank_limit: int = DEFAULT_RANK_LIMIT):
         if base.groups != 1:
             raise ValueError(f"{module_name}: LoRA on a grouped conv (groups={base.groups}) is not supported")
         nn.Module.__init__(self)
         for name in _CONV_ATTRIBUTES:
             setattr(self, name, getattr(base, name))
-        self.pointwise = (tuple(base.kernel_size) == (1, 1) and tuple(base.stride) == (1, 1)
-                          and base.padding in ((0, 0), "valid") and tuple(base.dilation) == (1, 1))
-        self._adopt(base, capacity, adapter_rows, module_name, tuple(base.kernel_size))
+        self.pointwise = tuple(base.kernel_size) == (1, 1)
+        # a 1×1 kernel reads one pixel: "same" pads nothing, and dilation changes nothing
+        pad = (0, 0) if isinstance(base.padding, str) else tuple(base.padding)
+        self._pointwise_offset = (pad, tuple(base.stride))
+        self._adopt(base, capacity, adapter_rows, module_name, tuple(base.kernel_size), rank_limit)
+
+    def _pointwise_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The pixels a 1×1 conv of this stride and padding reads, one per output pixel:
+        peft's lora_A is a 1×1 conv with the base's stride and zero padding (whatever the
+        base's padding mode), so the padded border reads zeros and adds nothing."""
+        (ph, pw), (sh, sw) = self._pointwise_offset
+        if (ph, pw, sh, sw) == (0, 0, 1, 1):
+            return x
+        if ph or pw:
+            x = F.pad(x, (pw, pw, ph, ph))
+        return x[:, :, ::sh, ::sw]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._conv_forward(x, self.weight, self.bias)
-        if self.weights.max_rank == 0:
+        if self._idle(out):
             return out
         groups = self.adapter_rows.for_rows(x.shape[0])
         if groups is None:
             return out
         if self.pointwise:  # channels are features, pixels are tokens: strided views, no copy
             rows = x.shape[0]
+            x = self._pointwise_input(x)
             # `view` (not flatten) for out: the add must land in `out` itself, never in a copy
             add_lora_(out.view(rows, self.out_channels, -1).transpose(1, 2),
                       x.reshape(rows, self.in_channels, -1).transpose(1, 2), self.weights, groups)
@@ -143,9 +171,11 @@ class LoraConv2d(nn.Conv2d, _LoraLayer):
 LORA_LAYER_TYPES = (LoraLinear, LoraConv2d)
 
 
-def wrap_layers(module: nn.Module, capacity: int, adapter_rows: AdapterRows) -> dict[str, _LoraLayer]:
-    """Replace every Linear and (ungrouped) Conv2d of `module` by its LoRA layer; return
-    them by module name. Already wrapped layers are kept (installing twice is a no-op)."""
+def wrap_layers(module: nn.Module, capacity: int, adapter_rows: AdapterRows,
+                rank_limit: int = DEFAULT_RANK_LIMIT) -> dict[str, _LoraLayer]:
+    """Replace every Linear and (ungrouped) Conv2d of `module` by its LoRA layer, taking
+    adapters up to `rank_limit`; return them by module name. Already wrapped layers are
+    kept (installing twice is a no-op)."""
     wrapped: dict[str, _LoraLayer] = {}
     by_identity: dict[int, nn.Module] = {}
     for name, child in list(module.named_modules(remove_duplicate=False)):
@@ -155,9 +185,9 @@ def wrap_layers(module: nn.Module, capacity: int, adapter_rows: AdapterRows) -> 
         if id(child) in by_identity:  # one layer registered under two names: one wrapper
             new = by_identity[id(child)]
         elif type(child) is nn.Linear:
-            new = LoraLinear(child, capacity, adapter_rows, name)
+            new = LoraLinear(child, capacity, adapter_rows, name, rank_limit)
         elif type(child) is nn.Conv2d and child.groups == 1:
-            new = LoraConv2d(child, capacity, adapter_rows, name)
+            new = LoraConv2d(child, capacity, adapter_rows, name, rank_limit)
         else:
             continue
         by_identity[id(child)] = new

@@ -11,8 +11,8 @@ device up to a byte budget, each in one pool slot that every wrapped layer index
   Each module's scaling is peft's: `lora_alpha / r` (rslora: `/ sqrt(r)`), r and alpha
   from the config's rank and alpha patterns matched by peft's own `get_pattern_key`.
   What peft would load but this pool cannot serve (DoRA, LoRA biases, LoKr, embedding
-  LoRA, grouped convs, a module the model lacks, shapes that do not fit) is refused by
-  `check` with the reason.
+  LoRA, grouped convs, a module the model lacks, shapes that do not fit, a rank above
+  `max_rank`) is refused by `check` with the reason.
 * Residency: `acquire(names)` makes the adapters resident (loading what is not), evicting
   least-recently-used adapters that nothing references, and adds one reference each; it
   returns None, evicting nothing, when they cannot all be resident now (the rest is
@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from engine.lora.kernel import rank_block
+from engine.lora.kernel import DEFAULT_RANK_LIMIT
 from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, LoraConv2d, unwrap_layers, wrap_layers
 
 #: The file `save_lora_weights` writes into a folder.
@@ -94,15 +94,21 @@ def _strip(mapping, prefix: str):
 
 
 def _layout_key(layer) -> tuple:
-    rank = layer.weights.max_rank
-    return (rank > 0, rank_block(rank) if rank else 0)
+    """What a captured graph of the denoiser reads of a layer beyond the device tables it
+    shares: a k×k conv's stacked copy of its adapters (Linear and 1×1 conv layers read the
+    tables, updated in place, so their loads and evictions change no graph)."""
+    weights = layer.weights
+    if weights.is_pointwise:
+        return ()
+    return (weights.max_rank, tuple(s for s in range(weights.capacity) if weights.A[s] is not None))
 
 
 class AdapterPool:
     """LoRA adapters of `lora_dir` for `model` (a pipeline model of `engine.models.loading`)."""
 
     def __init__(self, model, lora_dir: str | os.PathLike, budget_bytes: int, max_per_request: int = 4,
-                 max_resident: int = 64, max_scale: float = MAX_SCALE, install: bool = True):
+                 max_resident: int = 64, max_scale: float = MAX_SCALE, install: bool = True,
+                 max_rank: int = DEFAULT_RANK_LIMIT):
         pipe = getattr(model, "pipe", None)
         if pipe is None or not hasattr(type(pipe), "lora_state_dict"):
             raise AdapterError(f"{getattr(model, 'pipeline_class', type(model).__name__)} has no LoRA loader "
@@ -113,6 +119,8 @@ class AdapterPool:
         self.lora_dir = pathlib.Path(lora_dir)
         self.budget_bytes, self.max_per_request = int(budget_bytes), int(max_per_request)
         self.max_resident, self.max_scale = int(max_resident), float(max_scale)
+        # the largest rank served: a captured graph's LoRA scratch is sized for it
+        self.max_rank = int(max_rank)
         # the components diffusers loads LoRA into, as the pipeline lists them (denoiser first)
         self.components = {name: getattr(pipe, name) for name in self.loader._lora_loadable_modules
                            if isinstance(getattr(pipe, name, None), torch.nn.Module)}
@@ -127,8 +135,8 @@ class AdapterPool:
         self._tick = 0
         self._layers: dict[str, dict] = {}
         self.loads = self.evictions = self.hits = self.misses = 0
-        #: bumped whenever a layer starts or stops having adapters or its kernel rank block
-        #: changes: what a captured CUDA graph of the denoiser depends on (recapture then)
+        #: bumped whenever a k×k conv layer's adapters change (LoCon): the one thing a
+        #: captured CUDA graph of the denoiser depends on (recapture then)
         self.layout_version = 0
         self.installed = False
         if install:
@@ -147,7 +155,7 @@ class AdapterPool:
                         raise RuntimeError(f"{name} already has LoRA layers of another pool: one pool per model "
                                            "(its slots index every wrapped layer)")
                     rows = self.rows if name == self.denoiser_name else self.text_rows
-                    self._layers[name] = wrap_layers(module, self.max_resident, rows)
+                    self._layers[name] = wrap_layers(module, self.max_resident, rows, self.max_rank)
                 self.installed = True
             self.model.bind_adapter_rows(self.rows)
         return self
@@ -353,6 +361,9 @@ class AdapterPool:
                                    "Linear and (ungrouped) Conv2d layers only")
             A, B = ab["A"], ab["B"]
             r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
+            if int(A.shape[0]) > self.max_rank:
+                raise AdapterError(f"{component}.{target} has rank {int(A.shape[0])}; this engine serves ranks up "
+                                   f"to {self.max_rank}")
             alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
             w = layer.weights
             if isinstance(layer, LoraConv2d):
@@ -473,8 +484,8 @@ class AdapterPool:
         scale = torch.zeros((rows, self.max_per_request), dtype=torch.float32)
         index[:, :len(slots)] = torch.tensor(list(slots), dtype=torch.int32)
         scale[:, :len(slots)] = torch.tensor([float(s) for s in scales], dtype=torch.float32)
-        device = self.model.device
-        return {"lora_index": index.to(device), "lora_scale": scale.to(device)}
+        # host tensors: the slot storage stages them to the device without waiting for the stream
+        return {"lora_index": index, "lora_scale": scale}
 
     def slot_of(self, name: str) -> int | None:
         adapter = self._adapters.get(name)

@@ -97,7 +97,7 @@ class FluxModel(_PipelineModel):
             return {}
         # float32 as the pipeline's `torch.full([1], guidance_scale, dtype=torch.float32)`;
         # both branches of a true-CFG request take the same embedded guidance
-        return {"guidance": torch.full((2,), float(params.guidance), dtype=torch.float32, device=self.device)}
+        return {"guidance": torch.full((2,), float(params.guidance), dtype=torch.float32)}  # host: the slots stage it
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str | None]) -> list[Conditioning]:

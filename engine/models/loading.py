@@ -36,6 +36,15 @@ from engine.models.inputs import ModelInputs
 from engine.protocol import MICRO_CONDITIONING
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without the host waiting for the work queued there: a copy from
+    pageable memory to CUDA waits for the stream, so a host tensor is page-locked first."""
+    device = torch.device(device)
+    if device.type == "cuda" and not tensor.is_cuda:
+        return tensor.contiguous().pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def prediction_type_of(scheduler_config: dict) -> str:
     """The model's prediction type, in the contract's words: epsilon, v_prediction,
     sample or flow (a flow-matching scheduler config, or `flow_prediction`)."""
@@ -198,7 +207,9 @@ class DiffusionModel:
 
     def request_inputs(self, params, height: int, width: int) -> dict[str, torch.Tensor]:
         """Per-request inputs (`ModelInputs`' request-input fields), each 2 × field shape:
-        the conditional branch's row, then the unconditional one's. Held by the slot."""
+        the conditional branch's row, then the unconditional one's, as host tensors (made at
+        intake, where a copy to the device would wait for every step queued on it; the slot
+        storage stages them). Held by the slot."""
         return {}
 
     def encode(self, prompts: Sequence[str | None]) -> list[Conditioning]:
@@ -322,8 +333,8 @@ class DiffusionModel:
         mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
         if mean is not None and std is not None:  # SDXL-style normalized latents
             channels = latents.shape[1]
-            mean = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+            mean = to_device(torch.tensor(mean, dtype=latents.dtype).view(1, channels, 1, 1), latents.device)
+            std = to_device(torch.tensor(std, dtype=latents.dtype).view(1, channels, 1, 1), latents.device)
             latents = (latents - mean) * config.scaling_factor / std
         elif getattr(config, "shift_factor", None) is not None:  # SD3, FLUX
             latents = (latents - config.shift_factor) * config.scaling_factor
@@ -466,7 +477,7 @@ class StableDiffusionModel(_PipelineModel):
         # LCM: the guidance scale enters as an embedding of w = guidance − 1, as the pipeline builds it
         w = torch.tensor(float(params.guidance) - 1).repeat(2)
         embedding = self.pipe.get_guidance_scale_embedding(w, embedding_dim=dim)
-        return {"timestep_cond": embedding.to(self.device, torch.float32)}
+        return {"timestep_cond": embedding.to(torch.float32)}  # on the host: the slot storage stages it
 
     @torch.no_grad()
     def encode(self, prompts):

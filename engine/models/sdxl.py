@@ -58,8 +58,9 @@ class StableDiffusionXLModel(StableDiffusionModel):
         # pipeline builds them in the prompt embeddings' dtype
         time_ids = pipe._get_add_time_ids(original, crops, target, dtype=torch.float32,
                                           text_encoder_projection_dim=projection)
-        # (cond, uncond): the negative ids are the positive ones, as the pipeline's default
-        inputs["time_ids"] = time_ids.repeat(2, 1).to(self.device)
+        # (cond, uncond): the negative ids are the positive ones, as the pipeline's default; on
+        # the host: the slot storage stages them to the device without waiting for the stream
+        inputs["time_ids"] = time_ids.repeat(2, 1)
         return inputs
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ from engine.core.input_kinds.base import InputKind
 from engine.core.kernels import blend_known_region
 from engine.core.outputs import RequestRejected
 from engine.core.storage import to_host, upload
+from engine.models.loading import to_device
 
 log = logging.getLogger("diffslot.core")
 
@@ -250,9 +251,9 @@ class KnownRegionState:
             return
         masked_slots, masked_steps = slots[keep], steps[keep]
         device = latents.device
-        index = torch.from_numpy(masked_slots.astype(np.int32)).to(device, non_blocking=True)
-        coefs = torch.from_numpy(np.ascontiguousarray(self.noising_table[masked_slots, masked_steps])).to(
-            device, non_blocking=True)
+        index = to_device(torch.from_numpy(masked_slots.astype(np.int32)), device)
+        coefs = to_device(torch.from_numpy(np.ascontiguousarray(self.noising_table[masked_slots, masked_steps])),
+                          device)
         blend_known_region(latents, self.image_latents, self.noise, self.mask, index, coefs)
 
     def release(self, slot: int) -> None:
@@ -316,18 +317,21 @@ def _start(model, request, moments) -> None:
     """One request's draws, in the pipeline's order, and its first latents."""
     images, trajectory = request.inputs["image"], request.trajectory
     schedule, generator = trajectory.schedule, trajectory.generator
-    device = model.device
-    image_latents = model.image_latents(moments, generator).to(device)
-    noise = torch.randn((1, *request.latent_shape), generator=generator, dtype=torch.float32).to(device)
+    # this runs on the busy loop: no copy here may wait for the steps queued on the device
+    # (the noise and mask stay host tensors that the slot storage stages; the image latents
+    # come from the VAE on the device)
+    image_latents = model.image_latents(moments, generator)
+    noise = torch.randn((1, *request.latent_shape), generator=generator, dtype=torch.float32)
     masked = images.mask is not None
     if masked:
         model.masked_image_draw(request.latent_shape, generator)
     if masked and model.inpaint_starts_from_noise(images.strength):
         start = noise * schedule.init_noise_sigma  # pure noise, as the pipeline's strength-1 start
     else:
-        a, b = (torch.tensor(float(c), dtype=torch.float32, device=device) for c in schedule.start_noising)
-        start = a * image_latents + b * noise  # the scheduler's add_noise at the first timestep
+        # the scheduler's add_noise at the first timestep, its coefficients float32 as its own
+        a, b = (torch.tensor(float(c), dtype=torch.float32) for c in schedule.start_noising)
+        start = to_device(a, image_latents.device) * image_latents + to_device(b * noise, image_latents.device)
     if masked:
-        mask = model.preprocess_mask(images.mask, images.height, images.width).to(device)
+        mask = model.preprocess_mask(images.mask, images.height, images.width)
         request.slot_inputs["image"] = KnownRegion(image_latents, noise, mask, schedule.step_noising)
     request.start = StartLatents(start, model.channels_last(images.field))
