@@ -26,10 +26,11 @@ import time
 
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore
+from engine.core import CoreConfig, EngineCore
 from engine.models.loading import load_model
 from engine.models.shapes.draw import PROMPTS
 from engine.protocol import GenerateParams
+from trace_replay import replay
 from workload_trace import MIXED_SAMPLERS as SAMPLERS  # the workload's sampler mix
 
 POLICIES = {"fifo": dict(policy="fifo"), "srpt": dict(policy="srpt")}  # name → CoreConfig fields
@@ -65,22 +66,8 @@ def run(model, jobs, policy: dict, slots: int) -> dict:
     core = EngineCore(model, CoreConfig(slots=slots, **policy, max_queue=len(jobs) + 1,
                                         decode_buffers=2 * slots))
     steps_of = {rid: p.steps for _, rid, p in jobs}
-    arrival_of = {rid: arrival for arrival, rid, _ in jobs}
-    pending = list(jobs)
-    ttuo = {}
     start = time.monotonic()
-    while pending or core.has_unfinished_requests():
-        now = time.monotonic() - start
-        while pending and pending[0][0] <= now:
-            arrival, rid, params = pending.pop(0)
-            core.add_request(rid, params, arrival_time=start + arrival)
-        if not core.has_unfinished_requests():
-            time.sleep(min(0.002, max(0.0, pending[0][0] - now)))
-            continue
-        for out in core.step():  # `finished_at` is on the core's clock, time.monotonic
-            if isinstance(out, DenoiseFinished):
-                ttuo[out.request_id] = out.finished_at - (start + arrival_of[out.request_id])
-                core.decode_done(out.request_id)
+    ttuo = {rid: t for rid, (t, _) in replay(core, jobs).items()}
     wall = time.monotonic() - start
     by = {s: sorted(t for rid, t in ttuo.items() if steps_of[rid] == s) for s in (4, 20, 50)}
 

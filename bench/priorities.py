@@ -25,14 +25,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
 import torch
 
-from engine.core import CoreConfig, DenoiseFinished, EngineCore
+from engine.core import CoreConfig, EngineCore
 from engine.models.loading import load_model
 from engine.models.shapes.draw import PROMPTS
 from engine.protocol import PRIORITY_CLASSES, GenerateParams
+from trace_replay import replay
 from workload_trace import MIXED_SAMPLERS as SAMPLERS  # the workload's sampler mix
 
 SYSTEMS = {"preempt": dict(preemption=True), "priority": dict(preemption=False), "srpt": dict(preemption=False)}
@@ -61,22 +61,7 @@ def jobs(backlog: int, interactive: int, rate: float, seed: int, classes: bool) 
 def run(model, work: list, config: dict, slots: int) -> dict:
     core = EngineCore(model, CoreConfig(slots=slots, max_queue=len(work) + 1, decode_buffers=2 * slots, **config))
     arrival_of = {rid: arrival for arrival, rid, _ in work}
-    pending = list(work)
-    ttuo, preemptions = {}, {}
-    start = time.monotonic()
-    while pending or core.has_unfinished_requests():
-        now = time.monotonic() - start
-        while pending and pending[0][0] <= now:
-            arrival, rid, params = pending.pop(0)
-            core.add_request(rid, params, arrival_time=start + arrival)
-        if not core.has_unfinished_requests():
-            time.sleep(min(0.002, max(0.0, pending[0][0] - now)))
-            continue
-        for out in core.step():
-            if isinstance(out, DenoiseFinished):
-                ttuo[out.request_id] = out.finished_at - (start + arrival_of[out.request_id])
-                preemptions[out.request_id] = out.timings.preemptions
-                core.decode_done(out.request_id)
+    ttuo = {rid: t for rid, (t, _) in replay(core, work).items()}
     batch_done = max((arrival_of[rid] + t for rid, t in ttuo.items() if rid.startswith("b")), default=float("nan"))
     stats = core.stats()
     return dict(ttuo=ttuo, batch_goodput=sum(rid.startswith("b") for rid in ttuo) / batch_done,
