@@ -195,11 +195,15 @@ def test_one_batch_runs_on_every_replica(ray_serve):
     url, sockets = ray_serve
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/images/generations",
-                                "body": {"prompt": "a red circle", "steps": 3, "seed": i}}) + "\n" for i in range(6))
+                                "body": {"prompt": "a red circle", "steps": 12, "seed": i}}) + "\n" for i in range(6))
     direct = engines(sockets)
     try:
         before = {pid: c.stats()["completed"] for pid, c in direct.items()}
         uploaded = client.files.create(file=("job.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+        # every replica opens the shared state once its database exists (polled each second)
+        # and then asks it for lines every 0.25 s: give both that time, so that the lines
+        # spread is the runners' claiming and not which replica saw the upload first
+        time.sleep(2.5)
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/images/generations",
                                       completion_window="24h")
         done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 120,
