@@ -35,6 +35,7 @@ busy loop is making progress (see engine.serve.heartbeat).
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Annotated, Any, Union
@@ -381,6 +382,7 @@ def output_nbytes(kind: str, height: int, width: int, latent_shape: tuple[int, .
 
 # --------------------------------------------------------------------- frame fields
 
+@functools.lru_cache(maxsize=None)
 def _frame_field_types(struct_type) -> dict[str, tuple[bool, object]]:
     """name → (optional, nested struct type or None) for every field of `struct_type` that
     carries bytes: typed bytes itself, or a struct (or a tuple of structs) that has some."""

@@ -29,8 +29,8 @@ class Intake:
         model = self.model
         values = {kind.name: kind.check(p) for kind in self.kinds}
         used = [kind for kind in self.kinds if values[kind.name] is not None]
-        implied = next((kind.output_size(values[kind.name]) for kind in used
-                        if kind.output_size(values[kind.name]) != (None, None)), (None, None))
+        implied = next((size for size in (kind.output_size(values[kind.name]) for kind in used)
+                        if size != (None, None)), (None, None))
         height, width = checked_size(model, self.geometry, p, self.config.max_steps, implied)
         unusable = model.check_params(p)
         if unusable:

@@ -20,7 +20,7 @@ from engine.core.device import PinnedBuffers, StepTimer
 from engine.core.graphs import CudaGraphCapture, GraphedDenoiser
 from engine.core.kernels import update_slots
 from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
-from engine.core.storage import Batch, SlotStorage
+from engine.core.storage import Batch, SlotStorage, to_host
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
 
@@ -348,9 +348,7 @@ class Runner:
     def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into fresh page-locked memory, complete once the next fence
         recorded on this stream is done."""
-        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        host.copy_(tensor, non_blocking=True)
-        return host
+        return to_host(tensor)
 
 
 def _out_of_memory(exc: Exception) -> bool:

@@ -77,7 +77,11 @@ class SlotStorage:
         self.history[slot].zero_()
         self.conditioning[slot] = request.conditioning
         self._write_rows(slot, request.request_inputs)
-        for name, value in request.slot_inputs.items():
+        self._place_kinds(slot, request.slot_inputs)
+
+    def _place_kinds(self, slot: int, values: dict) -> None:
+        """Each input kind's value into its state (made for this storage on first use)."""
+        for name, value in values.items():
             state = self.kind_states.get(name)
             if state is None:
                 state = self.kind_states[name] = value.slot_state(self)
@@ -116,11 +120,7 @@ class SlotStorage:
          self.timestep_table[slot], self.divisor_table[slot], self.channels_last[slot]) = parked.tables
         self.conditioning[slot] = tuple(None if c is None else _moved(c, self.device) for c in parked.conditioning)
         self._write_rows(slot, parked.rows)
-        for name, value in parked.kinds.items():
-            state = self.kind_states.get(name)
-            if state is None:
-                state = self.kind_states[name] = value.slot_state(self)
-            state.place(slot, value)
+        self._place_kinds(slot, parked.kinds)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Scheduler:
         self.counters = collections.Counter()
         self.admitted_evals = 0  # evaluations admitted so far (the clock of SRPT's aging)
         self._released: list[tuple[tuple, int]] = []  # slots freed since the last plan
+        self._parking: list[Request] = []  # victims chosen, parked once their last launch is done
         self.seconds_per_eval = 0.0  # measured: a deadline's slack counts the remaining work at this rate
 
     # ---- requests in ----------------------------------------------------------------
@@ -171,8 +172,8 @@ class Scheduler:
             if slot < 0:
                 full_groups.add(key)
                 continue
-            if not self._fits(request) and self._preempt_for(request, plan):
-                pass  # victims parked at once free their bytes; others when their fence is done
+            if not self._fits(request):  # victims parked at once free their bytes now, others after their fence
+                self._preempt_for(request, plan)
             if not self._fits(request) or not self._acquire_adapters(request, plan):
                 if request.stopping:
                     continue  # its adapter cannot be loaded: it ended
@@ -209,8 +210,7 @@ class Scheduler:
         others once their fence is done, while `request` waits. Nothing is chosen while
         earlier victims are still on their way out (no thrash)."""
         c = self.config
-        if not c.preemption or c.admission == "static" or any(
-                r.parking for g in self.groups.values() for r in g.requests if r is not None):
+        if not c.preemption or c.admission == "static" or self._parking:
             return False
         pool = [group] if group is not None else list(self.groups.values())
         eligible = sorted(
@@ -233,25 +233,24 @@ class Scheduler:
         for victim in victims:
             victim.parking = True
             victim.group.runnable[victim.slot] = False
+            self._parking.append(victim)
             log.info("request %s (priority %d) to be parked for %s (priority %d)", victim.request_id,
                      victim.priority, request.request_id, request.priority)
         return self._park_ready(plan) > 0
 
     def _park_ready(self, plan: AdmissionPlan) -> int:
         """Park every chosen victim whose last launch's fence is done; returns how many."""
-        parked = 0
-        for group in list(self.groups.values()):
-            for slot, request in enumerate(group.requests):
-                if request is None or not request.parking:
-                    continue
-                fence = group.last_fence[slot]
-                if request.stopping:  # canceled or failed meanwhile: it drains as any other
-                    request.parking = False
-                    continue
-                if fence is not None and not fence.done():
-                    continue
+        parked, waiting = 0, []
+        for request in self._parking:
+            fence = request.group.last_fence[request.slot]
+            if request.stopping:  # canceled or failed meanwhile: it drains as any other
+                request.parking = False
+            elif fence is not None and not fence.done():
+                waiting.append(request)
+            else:
                 self._park(request, plan)
                 parked += 1
+        self._parking = waiting
         return parked
 
     def _park(self, request: Request, plan: AdmissionPlan) -> None:
