@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
 import numpy as np
 import pytest

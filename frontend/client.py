@@ -45,7 +45,6 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-import msgspec
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message

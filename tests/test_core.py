@@ -23,7 +23,7 @@ import torch
 from engine.testing.reference import reference_latents, rel_l2, tiny_model
 
 from engine.core import (
-    CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestFailed, RequestRejected, StepProgress,
+    CoreConfig, DenoiseFinished, EngineCore, RequestRejected, StepProgress,
 )
 from engine.core.config import ADMISSIONS, LAYOUTS
 from engine.core.fences import DeferredFences
