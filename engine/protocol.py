@@ -68,6 +68,27 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_
 PartialImages = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)]
 
 
+#: step-cache kinds: diffusers' cache hooks, each decided per request (and "off")
+STEP_CACHE_KINDS = ("first_block", "mag", "taylorseer", "off")
+
+
+class StepCache(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A request's step cache: one of diffusers' cache hooks, with its config's parameters
+    and defaults (None: diffusers' default), decided for this request alone inside the
+    shared batch. `kind="off"` turns the server's default (`--cache`) off."""
+
+    kind: str  # first_block (FirstBlockCacheConfig), mag (MagCacheConfig), taylorseer (TaylorSeerCacheConfig), off
+    threshold: float | None = None  # first_block (0.05), mag (0.06)
+    max_skip_steps: int | None = None  # mag (3)
+    retention_ratio: float | None = None  # mag (0.2)
+    mag_ratios: tuple[float, ...] | None = None  # mag: the model's calibrated ratios (default: the model's own)
+    cache_interval: int | None = None  # taylorseer (5)
+    disable_cache_before_step: int | None = None  # taylorseer (3)
+    disable_cache_after_step: int | None = None  # taylorseer (None)
+    max_order: int | None = None  # taylorseer (1)
+    factors_dtype: str | None = None  # taylorseer: bfloat16 (diffusers' default), float16 or float32
+
+
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation request, as the user writes it. Validated by the engine against
     the loaded model (prompts, sizes, samplers, step limit).
@@ -104,6 +125,8 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     # lower one at a step boundary; a deadline (seconds after arrival) orders a priority by slack
     priority: int = 0
     deadline_s: float | None = None
+    # skipping work between steps (None: the server's `--cache` default)
+    cache: StepCache | None = None
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -120,6 +143,7 @@ class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     image_encode_s: float = 0.0  # its image inputs' VAE encoder pass at admission (0 without an image)
     parked_s: float = 0.0  # time spent parked (preempted by higher-priority requests)
     preemptions: int = 0  # times it was parked
+    cached_steps: float = 0.0  # steps its step cache skipped (a true-CFG request's two branches count a half each)
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,

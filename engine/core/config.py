@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.protocol import MAX_INPUT_BYTES
+from engine.protocol import MAX_INPUT_BYTES, StepCache
 
 LAYOUTS = ("compact", "padded", "bucketed")
 ADMISSIONS = ("continuous", "static")
@@ -47,6 +47,7 @@ class CoreConfig:
     cuda_graphs: bool = True  # bucketed layout on CUDA: the denoiser replayed from one CUDA graph per bucket
     fence_wait_s: float = 0.002  # longest sleep on a fence when nothing else can run (input latency bound)
     max_input_bytes: int = MAX_INPUT_BYTES  # each byte input (an image, a mask) at most this many bytes
+    cache: StepCache | None = None  # the step cache of requests that name none (`--cache`); None: off
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

@@ -229,6 +229,10 @@ class EngineCore:
             "stale_reports": self.reaper.stale_reports,
             "denoiser_s": runner.denoiser_s,
             "park_s": runner.park_s,
+            "cache_decisions": runner.cache_decisions,
+            "cache_hits": runner.cache_hits,
+            "cache_hit_rate": runner.cache_hits / runner.cache_decisions if runner.cache_decisions else 0.0,
+            "cache_rows_skipped": runner.cache_rows_skipped,
             "schedules_cached": len(self.intake.schedules),
             **self.embeddings.stats(),
         }

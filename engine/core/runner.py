@@ -40,6 +40,8 @@ class Runner:
         self.denoiser_s = 0.0  # host seconds inside one-call denoiser steps: on a CPU, its busy time
         self.useful_rows = self.padded_rows = 0
         self.park_s = 0.0  # host seconds moving parked slot state out and back
+        # step caches: unit-steps decided, unit-steps that skipped work, rows that skipped it
+        self.cache_decisions = self.cache_hits = self.cache_rows_skipped = 0
         self.staged_uploads = device.type == "cuda"  # tests turn it on with CPU tensors
         self.async_copies = device.type == "cuda"
         # bucketed layout on CUDA: each bucket's denoiser call is captured once and replayed
@@ -158,7 +160,7 @@ class Runner:
             **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
                if name not in skipped})
         return Batch(
-            slots=act, index=dev["index"], index_host=index, coefs=dev["coefs"],
+            slots=act, slot_rows=np.stack([cond_row, uncond_row], axis=1), index=dev["index"], index_host=index, coefs=dev["coefs"],
             generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),
             row_slot=row_slot, row_index=dev["row_slot"], row_divisor=dev["row_divisor"], inputs=inputs,
             noise=noise, useful_rows=useful, padded_rows=len(row_slot) - useful)
@@ -205,10 +207,14 @@ class Runner:
         inputs = dataclasses.replace(batch.inputs, sample=x_in.to(self.model.dtype))
         culprits: dict[int, Exception] = {}
         self._row_limit, self._row_limit_changed = plan.row_limit, False
+        cache_call = self._cache_call(group, batch)
         try:
-            out = self._denoise_fitting(inputs)
+            out = self._denoise_fitting(inputs, cache_call)
         except Exception as exc:  # find the requests that cause it; the others go on
+            self._caches_off(cache_call)
             out, batch, culprits = self._isolate_failure(group, batch, inputs, exc)
+            cache_call = None
+        cached = self._count_cache(cache_call)
         previews = self._previews(plan, group, batch, out)
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
@@ -234,18 +240,24 @@ class Runner:
                            padded_rows=batch.padded_rows, previews=previews, finite=finite,
                            failed={slot: f"{type(error).__name__}: {error}" for slot, error in culprits.items()},
                            row_limit=self._row_limit if self._row_limit_changed else None,
-                           step_seconds=self.timer.poll())
+                           step_seconds=self.timer.poll(), cached=cached)
 
-    def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
+    def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None, cache_call=None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once
-        the device has run out of memory for more."""
+        the device has run out of memory for more. A call with step caches runs eagerly (its
+        rows that skip work leave the call, so no captured graph fits it); a call split
+        into chunks runs without them, and its requests from then on."""
         n = inputs.rows
         limit = self._row_limit
         if rows is None and (limit is None or limit >= n):  # the common case: one call
             started = time.perf_counter()
-            out = (self.graphed or self.model.run)(inputs)
+            if cache_call is not None:
+                out = self.model.run(inputs, cache_call)
+            else:
+                out = (self.graphed or self.model.run)(inputs)
             self.denoiser_s += time.perf_counter() - started  # on CUDA: the launches' host time
             return out.reshape(n, -1)
+        self._caches_off(cache_call)
         rows = list(range(n)) if rows is None else rows
         limit = limit or len(rows)
         outs = []
@@ -255,12 +267,12 @@ class Runner:
             outs.append(self.model.run(inputs.select(index)).reshape(len(chunk), -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _denoise_fitting(self, inputs: ModelInputs) -> torch.Tensor:
+    def _denoise_fitting(self, inputs: ModelInputs, cache_call=None) -> torch.Tensor:
         """Device out of memory: halve the rows per denoiser call (and, through admission,
         the slots in use) until the step fits; never die of it."""
         while True:
             try:
-                return self._denoise(inputs)
+                return self._denoise(inputs, cache_call=cache_call)
             except Exception as exc:
                 rows = self._row_limit or inputs.rows
                 if not _out_of_memory(exc) or rows == 1:
@@ -269,6 +281,46 @@ class Runner:
                 log.warning("device out of memory at %d rows: now at most %d rows a call", rows, self._row_limit)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+
+    # ---- step caches ------------------------------------------------------------------
+
+    def _cache_call(self, group: SlotStorage, batch: Batch):
+        """The step caches of this call's rows, each unit's mode decided (None: no row has one)."""
+        state = group.kind_states.get("cache")
+        if state is None or not state.slots:
+            return None
+        from engine.models.step_cache import CacheCall, UnitCall
+
+        units = []
+        for slot, rows in zip(batch.slots.tolist(), batch.slot_rows.tolist()):
+            value = state.slots.get(slot)
+            if value is None:
+                continue
+            for unit, branches in zip(value.units, value.branches):
+                if not unit.off:
+                    units.append(UnitCall([rows[b] for b in branches], unit, unit.mode(), slot=slot))
+        return CacheCall(len(batch.row_slot), units) if units else None
+
+    @staticmethod
+    def _caches_off(cache_call) -> None:
+        """A call that did not run whole: its units' states no longer follow their pipeline
+        calls, so those requests go on without a cache."""
+        if cache_call is not None:
+            for unit in cache_call.units:
+                unit.state.off = True
+
+    def _count_cache(self, cache_call) -> dict[int, float]:
+        """slot → the share of its units that skipped work this step."""
+        if cache_call is None or cache_call.units[0].state.off:
+            return {}
+        share: dict[int, float] = {}
+        for unit in cache_call.units:
+            units_of_slot = sum(1 for u in cache_call.units if u.slot == unit.slot)
+            share[unit.slot] = share.get(unit.slot, 0.0) + (unit.hit / units_of_slot)
+        self.cache_decisions += len(cache_call.units)
+        self.cache_hits += sum(u.hit for u in cache_call.units)
+        self.cache_rows_skipped += cache_call.rows_skipped
+        return share
 
     def _isolate_failure(self, group: SlotStorage, batch: Batch, inputs: ModelInputs, exc: Exception):
         """The batch raised: run its requests' rows again in halves until the requests that

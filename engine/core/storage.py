@@ -165,6 +165,7 @@ class Batch:
     """One step's row map, model inputs and per-slot update for one group."""
 
     slots: np.ndarray  # slots updated this step
+    slot_rows: np.ndarray  # per slot of `slots`: its cond row and uncond row (-1: none)
     index: torch.Tensor  # kernel entries × 4 int32: slot, cond row, uncond row, noise row
     index_host: np.ndarray  # the same on the host (read without a device sync)
     coefs: torch.Tensor  # kernel entries × NUM_COEFS float32

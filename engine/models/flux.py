@@ -24,6 +24,7 @@ Per request and per row:
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -61,6 +62,18 @@ class FluxModel(_PipelineModel):
         return ("max_sequence_length", self.max_sequence_length)
 
     takes_true_cfg = True
+    cfg_rows_share_cache = False  # the pipeline's true CFG: two transformer calls, a cache context each
+
+    @functools.cached_property
+    def mag_ratios(self) -> tuple[float, ...] | None:
+        """The folder's calibrated ratios, else diffusers' FLUX.1 ratios (`FLUX_MAG_RATIOS`)."""
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        return super().mag_ratios or tuple(FLUX_MAG_RATIOS.tolist())
+
+    def image_tokens(self, latent_shape) -> int:
+        _, h, w = latent_shape
+        return (h // 2) * (w // 2)  # 2×2 cells packed into one token
 
     def check_params(self, params) -> tuple[str, str] | None:
         if params.sampler not in FLUX_SAMPLERS:

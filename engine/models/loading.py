@@ -226,11 +226,71 @@ class DiffusionModel:
         `AdapterRows`), or None to stop."""
         self.adapter_rows = rows
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """One batched denoiser call over `inputs.rows` rows (eager, or captured in a graph)."""
-        if self.adapter_rows is not None:
-            self.adapter_rows.bind(inputs.lora_index, inputs.lora_scale)
-        return self.forward(inputs)
+    def run(self, inputs: ModelInputs, cache_call=None) -> torch.Tensor:
+        """One batched denoiser call over `inputs.rows` rows (eager, or captured in a graph).
+        `cache_call` (an `engine.models.step_cache.CacheCall`): the step caches of its rows."""
+        adapters = self.adapter_rows
+        if adapters is not None:
+            adapters.bind(inputs.lora_index, inputs.lora_scale)
+        if cache_call is None:
+            return self.forward(inputs)
+        rebind = None
+        if adapters is not None and inputs.lora_index is not None:
+            index, scale = inputs.lora_index, inputs.lora_scale
+
+            def rebind(rows):  # the rows a gathered block runs on keep their own adapters
+                if rows is None:
+                    adapters.bind(index, scale)
+                else:
+                    adapters.bind(index.index_select(0, rows), scale.index_select(0, rows))
+        with self.row_cache.bound(cache_call, rebind):
+            return self.forward(inputs)
+
+    # ---- step caches, decided per request (engine.models.step_cache) ----
+
+    #: the pipeline runs a request's guidance rows in one call, so one cache state decides
+    #: for both (FLUX's true CFG is two calls: a state each)
+    cfg_rows_share_cache = True
+
+    def step_cache_support(self) -> str | None:
+        """Why this model cannot cache steps per request, or None."""
+        if self.denoiser_is_unet:
+            return (f"{self.pipeline_class or 'this model'}'s UNet has no transformer blocks for diffusers' "
+                    "cache hooks (first_block, mag, taylorseer serve transformer models: SD3, FLUX)")
+        from engine.models.step_cache import RowCache
+
+        return RowCache.supports(self.denoiser)
+
+    @functools.cached_property
+    def row_cache(self):
+        from engine.models.step_cache import RowCache
+
+        return RowCache(self.denoiser)
+
+    @functools.cached_property
+    def mag_ratios(self) -> tuple[float, ...] | None:
+        """MagCache's calibrated ratios for this model: the folder's `mag_ratios.json`, if any."""
+        path = pathlib.Path(self.path) / "mag_ratios.json"
+        return tuple(json.loads(path.read_text())) if path.exists() else None
+
+    def image_tokens(self, latent_shape) -> int:
+        """The transformer's image sequence length for these latents."""
+        _, h, w = latent_shape
+        patch = int(self.denoiser.config.get("patch_size", 1) or 1)
+        return (h // patch) * (w // patch)
+
+    def step_cache_row_bytes(self, settings, latent_shape) -> int:
+        """The most bytes one row's cache state of `settings` holds (what admission reserves)."""
+        config = self.denoiser.config
+        width = int(config.num_attention_heads) * int(config.attention_head_dim)
+        image, text = self.image_tokens(latent_shape), int(self.conditioning_layout[0][0])
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if settings.kind == "first_block":
+            return (2 * image + text) * width * item
+        if settings.kind == "mag":
+            return image * width * item
+        factor = torch.empty((), dtype=settings.taylor_factors_dtype).element_size()
+        return len(self.row_cache.attention) * (settings.max_order + 1) * (image + text) * width * factor
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The denoiser itself, its inputs passed by name: per layout."""

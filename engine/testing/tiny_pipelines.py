@@ -259,7 +259,7 @@ def build_sd(folder, *, prediction_type: str = "epsilon", seed: int = 0, sample_
 
 def build_sd3(folder, *, with_t5: bool = True, seed: int = 0, sample_size: int = 8, words=VOCAB,
               model_max_length: int = 16, clip_hidden: tuple[int, int] = (32, 48), t5_dim: int = 128,
-              shift: float = 3.0) -> pathlib.Path:
+              shift: float = 3.0, layers: int = 2) -> pathlib.Path:
     """Write a tiny `StableDiffusion3Pipeline` folder and return its path.
 
     * `tokenizer/`, `tokenizer_2/`: CLIP BPE, 16 tokens; the first padded with
@@ -274,7 +274,7 @@ def build_sd3(folder, *, with_t5: bool = True, seed: int = 0, sample_size: int =
       tokenizer; without T5 both are saved as None and the pipeline feeds
       zeros of width `joint_attention_dim` instead.
     * `transformer/`: `SD3Transformer2DModel`, `sample_size` (8), patch 2, 16
-      channels, 2 layers, 4 heads of 8 (inner and caption projection width
+      channels, `layers` (2) layers, 4 heads of 8 (inner and caption projection width
       32), `joint_attention_dim = t5_dim`, `pos_embed_max_size` 16 (latents up
       to 32×32).
     * `vae/`: `AutoencoderKL`, 16 latent channels, blocks (32, 64) so 2 pixels
@@ -317,7 +317,7 @@ def build_sd3(folder, *, with_t5: bool = True, seed: int = 0, sample_size: int =
 
     torch.manual_seed(seed + 3)
     transformer = SD3Transformer2DModel(
-        sample_size=sample_size, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+        sample_size=sample_size, patch_size=2, in_channels=16, out_channels=16, num_layers=layers,
         attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
         joint_attention_dim=t5_dim, pooled_projection_dim=sum(clip_hidden), pos_embed_max_size=16,
     ).eval()
@@ -438,7 +438,8 @@ FLUX_SCHEDULERS = {
 
 
 def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOCAB, model_max_length: int = 16,
-               clip_hidden: int = 32, t5_dim: int = 32, head_dim: int = 16, heads: int = 2) -> pathlib.Path:
+               clip_hidden: int = 32, t5_dim: int = 32, head_dim: int = 16, heads: int = 2, layers: int = 1,
+               single_layers: int = 1) -> pathlib.Path:
     """Write a tiny `FluxPipeline` folder and return its path: FLUX.1-dev's layout with
     `guidance_embeds` (True), FLUX.1-schnell's without.
 
@@ -449,7 +450,7 @@ def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOC
       prompt to `max_sequence_length` (its default 512) T5 tokens, so the prompt
       embeddings are B×512×32 (`joint_attention_dim`).
     * `transformer/`: `FluxTransformer2DModel`, 64 input channels (16 latent
-      channels packed 2×2), one double and one single block, 2 heads of 16,
+      channels packed 2×2), `layers` double and `single_layers` single blocks (1 and 1), 2 heads of 16,
       rotary axes (4, 6, 6), `guidance_embeds` as given. No `sample_size`: the
       pipeline's default size is its own `default_sample_size` (128 latent
       cells, so 256×256 pixels here); tests pass small sizes.
@@ -476,7 +477,7 @@ def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOC
     torch.manual_seed(seed + 2)
     rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)  # as FLUX's (16, 56, 56) of 128
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=head_dim,
+        patch_size=1, in_channels=64, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
         num_attention_heads=heads, joint_attention_dim=t5_dim, pooled_projection_dim=clip_hidden,
         guidance_embeds=guidance_embeds, axes_dims_rope=rope,
     ).eval()

@@ -57,3 +57,4 @@ class StepOutcome:
     finite: Any  # per-slot finite flags of the group's latents, read only after `fence`
     row_limit: int | None = None  # set when the device ran out of memory: the rows per call that fit
     step_seconds: float = 0.0  # the device's recent time per step (a moving average)
+    cached: dict = dataclasses.field(default_factory=dict)  # slot → share of its rows' work its step cache skipped

@@ -371,6 +371,7 @@ class Scheduler:
             request = group.requests[slot]
             request.timings.evals += request.rows_per_step
             request.timings.padded_evals += outcome.padded_rows
+            request.timings.cached_steps += outcome.cached.get(slot, 0.0)
             group.step_index[slot] += 1
             group.last_fence[slot] = outcome.fence
             step = int(group.step_index[slot])

@@ -1,0 +1,498 @@
+"""Step caches decided per request inside one batched transformer call.
+
+diffusers' cache hooks (`apply_first_block_cache`, `apply_mag_cache`,
+`apply_taylorseer_cache`) decide for a whole call: one state, one decision, the mean over
+the whole batch. In a shared batch every request is at its own step with its own prompt,
+so here each request (each *unit*: a request's rows that one pipeline call would hold
+together) keeps its own state and decides for itself, exactly as the hook would decide for
+that request's pipeline call alone, and the rows that skip work drop out of the call:
+
+* `first_block`: the first block runs on every row; a unit whose first-block residual
+  barely moved since its last full pass reuses its cached tail residual; only the other
+  rows are gathered through the remaining blocks and scattered back.
+* `mag`: a unit skips every block on the steps its magnitude-ratio schedule allows
+  (decided on the host, from the step alone); its rows take the cached residual.
+* `taylorseer`: every attention module predicts its output from Taylor factors on the
+  unit's prediction steps; the other rows run the attention.
+
+`RowCache` hooks the transformer's blocks and attention modules once (diffusers'
+`HookRegistry`, pass-through when no call is bound); the runner binds a `CacheCall`
+around each call that has rows with a cache. Rows without one run every block as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from typing import Callable
+
+import torch
+from diffusers.hooks.hooks import ModelHook
+
+#: the call arguments that carry one leading row per batch row (everything else, such as
+#: FLUX's rotary embedding, is shared by all rows)
+ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb")
+#: the attention modules TaylorSeer predicts by default (diffusers' own patterns)
+ATTENTION_PATTERNS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
+
+
+# ---- per-unit state ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class UnitState:
+    """One unit's cache state (a request's rows that its pipeline call holds together):
+    its settings, how many calls it has made, and the tensors its kind keeps."""
+
+    settings: object  # engine.core.input_kinds.step_cache.CacheSettings
+    calls: int = 0
+    off: bool = False  # a call of its rows did not run whole: it no longer follows its pipeline
+    hits: list = dataclasses.field(default_factory=list)  # per call: True where it skipped work
+    # first_block
+    head_residual: torch.Tensor | None = None
+    tail_hidden: torch.Tensor | None = None
+    tail_encoder: torch.Tensor | None = None
+    # mag
+    mag_ratio: object = 1.0
+    mag_err: object = 0.0
+    mag_steps: int = 0
+    mag_residual: torch.Tensor | None = None
+    # taylorseer: attention module name → diffusers' own TaylorSeerState
+    taylor: dict = dataclasses.field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        found = [t for t in (self.head_residual, self.tail_hidden, self.tail_encoder, self.mag_residual)
+                 if t is not None]
+        for state in self.taylor.values():
+            found.extend(f for factors in state.taylor_factors.values() for f in factors.values())
+        return found
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "UnitState":
+        """A copy with every tensor moved (to the host to park, back to run)."""
+        def opt(t):
+            return None if t is None else move(t)
+
+        taylor = {}
+        for name, state in self.taylor.items():
+            copy = type(state).__new__(type(state))
+            copy.__dict__.update(state.__dict__)
+            copy.taylor_factors = {i: {order: move(f) for order, f in factors.items()}
+                                   for i, factors in state.taylor_factors.items()}
+            taylor[name] = copy
+        return dataclasses.replace(self, hits=list(self.hits), head_residual=opt(self.head_residual),
+                                   tail_hidden=opt(self.tail_hidden), tail_encoder=opt(self.tail_encoder),
+                                   mag_residual=opt(self.mag_residual), taylor=taylor)
+
+    # ---- the decisions made on the host, before the call, from the step alone ----
+
+    def mode(self) -> str:
+        """This call's mode (MagCache and TaylorSeer decide from the step; first_block in the call)."""
+        kind = self.settings.kind
+        if kind == "first_block":
+            return "first_block"
+        if kind == "mag":
+            return "mag_compute" if self.mag_computes() else "mag_skip"
+        return "taylor_compute" if self.taylor_computes() else "taylor_predict"
+
+    def mag_computes(self) -> bool:
+        """MagCache's head-hook decision for this call (it updates the accumulators as the
+        hook does, in the same float32 tensor arithmetic)."""
+        s = self.settings
+        step = self.calls
+        scale = s.mag_ratios[step] if step < len(s.mag_ratios) else 1.0
+        if step < int(s.retention_ratio * s.num_inference_steps + 0.5):
+            return True
+        self.mag_ratio = self.mag_ratio * scale
+        self.mag_steps += 1
+        self.mag_err = self.mag_err + abs(1.0 - self.mag_ratio)
+        if self.mag_residual is not None and self.mag_err <= s.threshold and self.mag_steps <= s.max_skip_steps:
+            return False
+        self.mag_ratio, self.mag_steps, self.mag_err = 1.0, 0, 0.0
+        return True
+
+    def taylor_computes(self) -> bool:
+        """TaylorSeer's decision for this call, as its hook measures it."""
+        s, step = self.settings, self.calls
+        warmup = step < s.disable_cache_before_step
+        interval = (step - s.disable_cache_before_step - 1) % s.cache_interval == 0
+        cooldown = s.disable_cache_after_step is not None and step >= s.disable_cache_after_step
+        return warmup or interval or cooldown
+
+    def advance_mag(self) -> None:
+        """The tail hook's `_advance_step`: past the last step the state starts over."""
+        if self.calls + 1 >= self.settings.num_inference_steps:
+            self.mag_ratio, self.mag_steps, self.mag_err, self.mag_residual = 1.0, 0, 0.0, None
+
+
+@dataclasses.dataclass
+class UnitCall:
+    """One unit in one call: its rows (indices into the call's rows) and its mode."""
+
+    rows: list[int]
+    state: UnitState
+    mode: str  # first_block | mag_skip | mag_compute | taylor_compute | taylor_predict
+    hit: bool = False
+    slot: int = -1  # the slot whose request it belongs to
+
+
+class CacheCall:
+    """What the runner binds around one denoiser call, and the hooks' working state."""
+
+    def __init__(self, rows: int, units: list[UnitCall]):
+        self.rows, self.units = rows, units
+        self.by_mode: dict[str, list[UnitCall]] = {}
+        for unit in units:
+            self.by_mode.setdefault(unit.mode, []).append(unit)
+            unit.hit = unit.mode in ("mag_skip", "taylor_predict")  # first_block decides in the call
+        self.has_taylor = any(m.startswith("taylor") for m in self.by_mode)
+        self.block_caching = any(m in ("first_block", "mag_skip", "mag_compute") for m in self.by_mode)
+        self.rebind: Callable[[torch.Tensor | None], None] = lambda index: None
+        self.current: list[int] = list(range(rows))  # the call's rows each block sees, in order
+        self.skip_tail = False
+
+    def units_of(self, *modes: str) -> list[UnitCall]:
+        return [u for m in modes for u in self.by_mode.get(m, ())]
+
+    def decided(self) -> None:
+        """After the call: every unit's call counted and its decision recorded."""
+        for unit in self.units:
+            state = unit.state
+            if unit.mode.startswith("mag"):
+                state.advance_mag()
+            state.hits.append(unit.hit)
+            state.calls += 1
+
+    @property
+    def rows_skipped(self) -> int:
+        """Rows that skipped the expensive part of the call."""
+        return sum(len(u.rows) for u in self.units if u.hit)
+
+
+def _positions(current: list[int], rows: list[int]) -> list[int]:
+    where = {row: i for i, row in enumerate(current)}
+    return [where[r] for r in rows]
+
+
+# ---- the hooks -------------------------------------------------------------------------------
+
+class RowCache:
+    """Per-row step caching on one transformer: hooks on its blocks (first, middle, last)
+    and its attention modules, pass-through unless a `CacheCall` is bound."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        self.transformer = transformer
+        blocks = [block for name, child in transformer.named_children()
+                  if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+                  for block in child]
+        if len(blocks) < 2:
+            raise ValueError("step caching needs a transformer of at least two blocks")
+        self.metadata = [TransformerBlockRegistry.get(type(block)) for block in blocks]
+        self.call: CacheCall | None = None
+        self._install(blocks)
+
+    @staticmethod
+    def supports(transformer) -> str | None:
+        """Why this denoiser cannot cache per request, or None."""
+        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        blocks = [block for name, child in transformer.named_children()
+                  if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+                  for block in child]
+        if len(blocks) < 2:
+            return f"{type(transformer).__name__} has {len(blocks)} transformer block(s); step caching needs two"
+        try:
+            for block in blocks:
+                TransformerBlockRegistry.get(type(block))
+        except ValueError:
+            return f"diffusers' cache hooks do not know {type(blocks[0]).__name__}"
+        return None
+
+    def _install(self, blocks) -> None:
+        from diffusers.hooks.hooks import HookRegistry
+
+        last = len(blocks) - 1
+        for index, block in enumerate(blocks):
+            role = "head" if index == 0 else "tail" if index == last else "middle"
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(
+                _BlockHook(self, role, self.metadata[index]), "diffslot_row_cache_block")
+        self.attention = []
+        for name, module in self.transformer.named_modules():
+            if any(re.fullmatch(p, name) for p in ATTENTION_PATTERNS):
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(
+                    _AttentionHook(self, name), "diffslot_row_cache_attention")
+                self.attention.append(name)
+
+    @contextlib.contextmanager
+    def bound(self, call: CacheCall, rebind: Callable[[torch.Tensor | None], None] | None = None):
+        """The hooks act on `call` for the duration (one denoiser call)."""
+        call.rebind = rebind or (lambda index: None)
+        self.call = call
+        try:
+            yield call
+        finally:
+            self.call = None
+            call.rebind(None)
+        call.decided()
+
+
+def _rows_of(kwargs: dict, index: torch.Tensor) -> dict:
+    out = dict(kwargs)
+    for name in ROW_ARGUMENTS:
+        value = out.get(name)
+        if isinstance(value, torch.Tensor):
+            out[name] = value.index_select(0, index)
+    return out
+
+
+def _split(output, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(output, tuple):
+        encoder = None if meta.return_encoder_hidden_states_index is None else \
+            output[meta.return_encoder_hidden_states_index]
+        return output[meta.return_hidden_states_index], encoder
+    return output, None
+
+
+def _join(hidden, encoder, meta, like):
+    if not isinstance(like, tuple):
+        return hidden
+    out = [None] * len(like)
+    out[meta.return_hidden_states_index] = hidden
+    if meta.return_encoder_hidden_states_index is not None:
+        out[meta.return_encoder_hidden_states_index] = encoder
+    return tuple(out)
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class _BlockHook(ModelHook):
+    """First block: runs on every row that does not skip all blocks, decides first-block
+    hits, and hands only the rows that still compute to the next block. Middle blocks: run
+    on those rows. Last block: scatters everything back to every row of the call."""
+
+    def __init__(self, cache: RowCache, role: str, meta):
+        super().__init__()
+        self.cache, self.role, self.meta = cache, role, meta
+        self.returns_encoder = None  # the last block's: learnt the first time it runs
+
+    def new_forward(self, module, *args, **kwargs):
+        call = self.cache.call
+        original = self.fn_ref.original_forward
+        if call is None or not call.block_caching:
+            return original(*args, **kwargs)
+        if args:  # the transformers call their blocks by keyword; a positional call is bound here
+            import inspect
+
+            names = list(inspect.signature(type(module).forward).parameters)[1:]
+            kwargs = {**dict(zip(names, args)), **kwargs}
+        if self.role == "head":
+            return self._head(call, original, kwargs)
+        if self.role == "middle":
+            return kwargs_passthrough(kwargs, self.meta) if call.skip_tail else \
+                original(**self._gathered(call, kwargs))
+        return self._tail(call, original, kwargs)
+
+    def _gathered(self, call: CacheCall, kwargs: dict) -> dict:
+        """The block's row arguments for the rows it runs on (the hidden states already are)."""
+        if len(call.tail) == call.rows:
+            return kwargs
+        out = dict(kwargs)
+        temb = out.get("temb")
+        if isinstance(temb, torch.Tensor) and temb.shape[0] == call.rows:
+            out["temb"] = temb.index_select(0, call.tail_index)
+        return out
+
+    def _head(self, call: CacheCall, original, kwargs: dict):
+        hidden = kwargs["hidden_states"]
+        device = hidden.device
+        call.head_in = (hidden, kwargs.get("encoder_hidden_states"))
+        skip_all = {r for u in call.units_of("mag_skip") for r in u.rows}
+        call.head_rows = [r for r in range(call.rows) if r not in skip_all]
+        for unit in call.units_of("mag_skip"):
+            unit.hit = True
+        call.current = call.head_rows
+        if len(call.head_rows) == call.rows:
+            head_kwargs = kwargs
+        else:
+            index = _index(call.head_rows, device)
+            head_kwargs = _rows_of(kwargs, index)
+            call.rebind(index)
+        output = original(**head_kwargs) if call.head_rows else None
+        if output is not None:
+            out_hidden, out_encoder = _split(output, self.meta)
+            call.head_out = (out_hidden, out_encoder)
+            residual = out_hidden - head_kwargs["hidden_states"]
+            self._decide_first_block(call, residual)
+        hit_rows = {r for u in call.units_of("first_block") if u.hit for r in u.rows}
+        call.tail = [r for r in call.head_rows if r not in hit_rows]
+        call.tail_index = _index(call.tail, device)
+        call.skip_tail = not call.tail
+        if call.skip_tail:
+            return output if output is not None else kwargs_passthrough(kwargs, self.meta)
+        if len(call.tail) != len(call.head_rows):
+            keep = _index(_positions(call.head_rows, call.tail), device)
+            out_hidden, out_encoder = call.head_out
+            output = _join(out_hidden.index_select(0, keep),
+                           None if out_encoder is None else out_encoder.index_select(0, keep), self.meta, output)
+        if len(call.tail) != len(call.head_rows) or len(call.head_rows) != call.rows:
+            call.rebind(call.tail_index if len(call.tail) != call.rows else None)
+        call.current = call.tail
+        return output
+
+    def _decide_first_block(self, call: CacheCall, residual: torch.Tensor) -> None:
+        """FBCHeadBlockHook's test per unit: the mean absolute change of the first block's
+        residual relative to its previous one (one host read for the whole call)."""
+        units = call.units_of("first_block")
+        if not units:
+            return
+        call.fbc_residual = residual
+        tests, tested = [], []
+        for unit in units:
+            previous = unit.state.head_residual
+            if previous is None:
+                continue
+            current = residual.index_select(0, _index(_positions(call.head_rows, unit.rows), residual.device))
+            tests.append((current - previous).abs().mean() / previous.abs().mean())
+            tested.append(unit)
+        if tests:
+            diffs = torch.stack(tests).tolist()
+            for unit, diff in zip(tested, diffs):
+                unit.hit = not diff > unit.state.settings.threshold
+
+    def _tail(self, call: CacheCall, original, kwargs: dict):
+        in_hidden, in_encoder = call.head_in
+        rows, device = call.rows, in_hidden.device
+        out_hidden = out_encoder = None
+        if not call.skip_tail:
+            output = original(**self._gathered(call, kwargs))
+            out_hidden, out_encoder = _split(output, self.meta)
+            self.returns_encoder = out_encoder is not None
+        like = (None, None) if self.meta.return_encoder_hidden_states_index is not None else None
+        # every row's output has the shape of the block's input (the tail ran before any hit)
+        hidden = torch.empty_like(in_hidden)
+        encoder = torch.empty_like(in_encoder) if in_encoder is not None and self.returns_encoder is not False else None
+        if call.tail:
+            hidden.index_copy_(0, call.tail_index, out_hidden)
+            if encoder is not None:
+                encoder.index_copy_(0, call.tail_index, out_encoder)
+        for unit in call.units_of("first_block"):
+            self._first_block_rows(call, unit, hidden, encoder, out_hidden, out_encoder)
+        for unit in call.units_of("mag_compute"):
+            index = _index(unit.rows, device)
+            unit.state.mag_residual = hidden.index_select(0, index) - in_hidden.index_select(0, index)
+        for unit in call.units_of("mag_skip"):
+            index = _index(unit.rows, device)
+            hidden.index_copy_(0, index, in_hidden.index_select(0, index) + unit.state.mag_residual)
+            if encoder is not None:
+                encoder.index_copy_(0, index, in_encoder.index_select(0, index))
+        call.current = list(range(rows))
+        call.rebind(None)
+        return _join(hidden, encoder, self.meta, like)
+
+    def _first_block_rows(self, call, unit, hidden, encoder, out_hidden, out_encoder) -> None:
+        state, device = unit.state, hidden.device
+        index = _index(unit.rows, device)
+        head_hidden, head_encoder = call.head_out
+        at_head = _index(_positions(call.head_rows, unit.rows), device)
+        here_hidden = head_hidden.index_select(0, at_head)
+        here_encoder = None if head_encoder is None else head_encoder.index_select(0, at_head)
+        if unit.hit:
+            hidden.index_copy_(0, index, state.tail_hidden + here_hidden)
+            if encoder is not None:
+                encoder.index_copy_(0, index, state.tail_encoder + here_encoder)
+            return
+        at_tail = _index(_positions(call.tail, unit.rows), device)
+        state.head_residual = call.fbc_residual.index_select(0, at_head)
+        state.tail_hidden = out_hidden.index_select(0, at_tail) - here_hidden
+        state.tail_encoder = None if out_encoder is None or here_encoder is None else \
+            out_encoder.index_select(0, at_tail) - here_encoder
+
+
+def kwargs_passthrough(kwargs: dict, meta):
+    """A skipped block's output: its inputs, in its return order."""
+    hidden = kwargs["hidden_states"]
+    if meta.return_encoder_hidden_states_index is None:
+        return hidden
+    return _join(hidden, kwargs.get("encoder_hidden_states"), meta, (None, None))
+
+
+class _AttentionHook(ModelHook):
+    """TaylorSeer per row: units on a prediction step take their Taylor prediction; the
+    other rows run the attention, and computing TaylorSeer units update their factors."""
+
+    def __init__(self, cache: RowCache, name: str):
+        super().__init__()
+        self.cache, self.name = cache, name
+
+    def new_forward(self, module, *args, **kwargs):
+        call = self.cache.call
+        original = self.fn_ref.original_forward
+        if call is None or not call.has_taylor:
+            return original(*args, **kwargs)
+        computing = [u for u in call.units_of("taylor_compute") if u.rows[0] in set(call.current)]
+        predicting = [u for u in call.units_of("taylor_predict") if u.rows[0] in set(call.current)]
+        if not computing and not predicting:
+            return original(*args, **kwargs)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        device = hidden.device
+        predicted_rows = {r for u in predicting for r in u.rows}
+        run_rows = [r for r in call.current if r not in predicted_rows]
+        if not predicting:
+            output = original(*args, **kwargs)
+            outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+            run_positions = None
+        else:
+            if args:
+                kwargs = {"hidden_states": args[0], **kwargs}
+            outputs = None
+            output = None
+            if run_rows:
+                index = _index(_positions(call.current, run_rows), device)
+                sub = {k: (v.index_select(0, index) if k in ("hidden_states", "encoder_hidden_states")
+                           and isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+                call.rebind(_index(run_rows, device))
+                output = original(**sub)
+                call.rebind(None if len(call.current) == call.rows else _index(call.current, device))
+                outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+            run_positions = run_rows
+        for unit in computing:
+            state = self._state(unit)
+            where = _positions(call.current if run_positions is None else run_rows, unit.rows)
+            index = _index(where, device)
+            state.current_step = unit.state.calls
+            state.update(tuple(o.index_select(0, index) for o in outputs))
+        if not predicting:
+            return output
+        predictions = []
+        for unit in predicting:
+            state = self._state(unit)
+            state.current_step = unit.state.calls
+            predictions.append((unit, state.predict()))
+        template = outputs if outputs is not None else predictions[0][1]
+        full = [torch.empty((len(call.current), *t.shape[1:]), dtype=t.dtype, device=device) for t in template]
+        if run_rows:
+            index = _index(_positions(call.current, run_rows), device)
+            for f, o in zip(full, outputs):
+                f.index_copy_(0, index, o)
+        for unit, predicted in predictions:
+            index = _index(_positions(call.current, unit.rows), device)
+            for f, p in zip(full, predicted):
+                f.index_copy_(0, index, p)
+        return full[0] if len(full) == 1 else tuple(full)
+
+    def _state(self, unit: UnitCall):
+        from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+        states = unit.state.taylor
+        if self.name not in states:
+            s = unit.state.settings
+            states[self.name] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
+        return states[self.name]
