@@ -15,6 +15,7 @@ import sys
 from engine.core.config import ADMISSIONS, LAYOUTS, POLICIES, CoreConfig
 from engine.decode.stage import DecodeConfig
 from engine.flags import add_config_arguments, cli, config_from_args, flag
+from engine.protocol import parse_step_cache
 from engine.serve.options import add_proc_arguments, proc_config_from_args
 
 # CoreConfig lives with the core, which knows nothing of command lines: its flags are named here
@@ -42,6 +43,9 @@ CORE_FLAGS = {
     "max_preemptions": flag("--max-preemptions", metavar="N", help="times one request may be parked"),
     "parked_budget_bytes": flag("--parked-budget-bytes", metavar="N",
                                 help="host bytes for parked requests' slot state (default: the trajectory budget)"),
+    "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
+                  help="the step cache of requests that name none: first_block, mag or taylorseer (diffusers' "
+                       "defaults), decided per request; a request's cache=off turns it off"),
     "cuda_graphs": flag("--no-cuda-graphs", negate=True,
                         help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
                              "CUDA graph per bucket"),

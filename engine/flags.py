@@ -24,10 +24,12 @@ MISSING = dataclasses.MISSING
 
 
 def flag(*flags: str, help: str, metavar: str | None = None, choices: typing.Sequence[str] | None = None,
-         negate: bool = False, dest: str | None = None) -> dict:
+         negate: bool = False, dest: str | None = None, parse: typing.Callable[[str], typing.Any] | None = None) -> dict:
     """A field's flag: `flags[0]` (the others are aliases), parsed into `dest` (default:
-    the field's name). `negate`: a bool field that defaults to True, turned off by the flag."""
-    return {"flags": flags, "help": help, "metavar": metavar, "choices": choices, "negate": negate, "dest": dest}
+    the field's name). `negate`: a bool field that defaults to True, turned off by the flag.
+    `parse`: the text → value function, for a field whose type is not a plain one."""
+    return {"flags": flags, "help": help, "metavar": metavar, "choices": choices, "negate": negate, "dest": dest,
+            "parse": parse}
 
 
 def cli(*flags: str, **options) -> dict:
@@ -118,8 +120,8 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             options.update(default=default)
             if default not in (None, "") and help_text != argparse.SUPPRESS:
                 help_text += " (default %(default)s)"
-        parser.add_argument(*spec["flags"], dest=_dest(field), type=_value_type(field.hint), help=help_text,
-                            **options)
+        parser.add_argument(*spec["flags"], dest=_dest(field), type=spec.get("parse") or _value_type(field.hint),
+                            help=help_text, **options)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, *, specs: dict[str, dict] | None = None, **fields):

@@ -89,6 +89,21 @@ class StepCache(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_
     factors_dtype: str | None = None  # taylorseer: bfloat16 (diffusers' default), float16 or float32
 
 
+def parse_step_cache(text: str) -> StepCache:
+    """`KIND[:THRESHOLD]` (the `--cache` flags) → a `StepCache`; ValueError saying what is wrong."""
+    kind, _, threshold = text.partition(":")
+    if kind not in STEP_CACHE_KINDS:
+        raise ValueError(f"cache kind {kind!r} is not one of {', '.join(STEP_CACHE_KINDS)}")
+    if not threshold:
+        return StepCache(kind=kind)
+    if kind not in ("first_block", "mag"):
+        raise ValueError(f"cache kind {kind} takes no threshold")
+    try:
+        return StepCache(kind=kind, threshold=float(threshold))
+    except ValueError:
+        raise ValueError(f"cache threshold {threshold!r} is not a number") from None
+
+
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation request, as the user writes it. Validated by the engine against
     the loaded model (prompts, sizes, samplers, step limit).

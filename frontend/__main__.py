@@ -17,7 +17,7 @@ import signal
 import sys
 
 from engine.flags import add_config_arguments, cli, config_from_args, flag
-from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams, frame_field_descriptions
+from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams, frame_field_descriptions, parse_step_cache
 
 # GenerateParams is the protocol's, which knows nothing of command lines: its flags are named here
 PARAM_FLAGS = {
@@ -34,6 +34,8 @@ PARAM_FLAGS = {
     "width": flag("--width", help="default: the model's native size, or the --image's"),
     "true_cfg": flag("--true-cfg", help="FLUX: the pipeline's true_cfg_scale"),
     "strength": flag("--strength", help="with --image: how far from it to start, (0, 1] (default: the pipeline's)"),
+    "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
+                  help="a step cache for this request: first_block, mag, taylorseer, or off (default: the server's)"),
 }
 # the empty negative prompt unless told otherwise, on every pipeline (SDXL zeroes an absent one instead)
 PARAM_DEFAULTS = {"negative_prompt": ""}

@@ -293,3 +293,38 @@ def test_admission_reserves_the_cache_state(folders):
                     held.append(state.nbytes)
         run_and_release(core2, {"b": p}, after_step=measure)
         assert held and 0 < max(held) <= extra, (cache.kind, max(held), extra)
+
+
+def test_the_flag_and_the_http_extra_carry_a_cache():
+    import json
+
+    from engine.protocol import parse_step_cache
+    from frontend.http.errors import APIError
+    from frontend.http.schemas import parse_edit, parse_generation
+
+    assert parse_step_cache("first_block:0.12") == StepCache("first_block", threshold=0.12)
+    assert parse_step_cache("taylorseer") == StepCache("taylorseer")
+    for bad in ("deep", "taylorseer:0.1", "mag:x"):
+        with pytest.raises(ValueError):
+            parse_step_cache(bad)
+    body = json.dumps({"prompt": "a red circle", "cache": {"kind": "mag", "threshold": 0.2}}).encode()
+    assert parse_generation(body, ("shapes",)).params[0].cache == StepCache("mag", threshold=0.2)
+    bad = json.dumps({"prompt": "a red circle", "cache": {"kind": "mag", "speed": 2}}).encode()
+    with pytest.raises(APIError) as info:
+        parse_generation(bad, ("shapes",))
+    assert info.value.param == "cache.speed"
+    form = (b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\na red circle\r\n"
+            b"--b\r\nContent-Disposition: form-data; name=\"cache\"\r\n\r\n{\"kind\": \"first_block\"}\r\n"
+            b"--b\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\nPNG\r\n--b--\r\n")
+    gen = parse_edit("multipart/form-data; boundary=b", form, ("shapes",), 1 << 20)
+    assert gen.params[0].cache == StepCache("first_block")
+
+
+def test_the_cli_flags_parse_a_cache():
+    from engine.__main__ import build_parser as engine_parser
+    from frontend.__main__ import build_parser as client_parser
+
+    args = engine_parser().parse_args(["serve", "--cache", "first_block:0.1"])
+    assert args.cache == StepCache("first_block", threshold=0.1)
+    args = client_parser().parse_args(["generate", "--prompt", "a red circle", "-o", "x.png", "--cache", "off"])
+    assert args.cache == StepCache("off")

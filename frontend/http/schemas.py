@@ -32,7 +32,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.protocol import FRAME_FIELDS, MAX_PARTIAL_IMAGES, MICRO_CONDITIONING, SAMPLERS, GenerateParams, Timings, output_nbytes
+from engine.protocol import (FRAME_FIELDS, MAX_PARTIAL_IMAGES, MICRO_CONDITIONING, SAMPLERS, GenerateParams, StepCache,
+                             Timings, output_nbytes)
 from frontend.http.errors import APIError, bad_request
 from frontend.http.priorities import priority_value
 
@@ -90,6 +91,10 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     loras: Annotated[dict[str, float] | None, _doc("LoRA adapters (GET /v1/models lists them) → scale.",
                                                    examples=[{"A": 0.8}])] = None
     true_cfg: Annotated[float | None, _doc("FLUX: the pipeline's true_cfg_scale (with negative_prompt).")] = None
+    cache: Annotated[StepCache | None, _doc(
+        "A step cache for this request (transformer models): kind first_block, mag, taylorseer or off, with the "
+        "parameters of diffusers' config of that kind; absent: the server's default.",
+        examples=[{"kind": "first_block", "threshold": 0.1}])] = None
     original_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
     crops_coords_top_left: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [top, left].")] = None
     target_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
@@ -112,8 +117,8 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fiel
 
 
 #: the extras that are not plain values: JSON text in a form, or the `openai` package's `x[...]` fields
-STRUCTURED_FIELDS = ("loras", *MICRO_CONDITIONING)
-EXTRA_FIELDS = ("loras", "true_cfg", *MICRO_CONDITIONING)
+STRUCTURED_FIELDS = ("loras", "cache", *MICRO_CONDITIONING)
+EXTRA_FIELDS = ("loras", "true_cfg", "cache", *MICRO_CONDITIONING)
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -144,6 +149,9 @@ def decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> APIError
         match = pattern.search(text)
         if match:
             param = match.group(1)
+            within = _DECODE_PATH.search(text)
+            if pattern is not _DECODE_PATH and within:  # a field of a nested object: named by its path
+                param = f"{within.group(1)}.{param}"
             if pattern is _UNKNOWN_FIELD:
                 return bad_request(f"Unknown parameter: '{param}'.", param, "unknown_parameter")
             if pattern is _MISSING_FIELD:
@@ -351,7 +359,7 @@ def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], m
                 fields[name] = json.loads(value)
             except ValueError:
                 raise bad_request(f"Invalid value for '{name}': expected JSON "
-                                  f"({'an object' if name == 'loras' else '[a, b]'}).", name) from None
+                                  f"({'an object' if name in ('loras', 'cache') else '[a, b]'}).", name) from None
     try:
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:

@@ -52,22 +52,6 @@ class CacheSettings:
     taylor_factors_dtype: torch.dtype = torch.bfloat16
 
 
-def parse_cache_flag(text: str) -> StepCache:
-    """`--cache KIND[:THRESHOLD]` → a `StepCache` (ValueError naming what is wrong)."""
-    kind, _, threshold = text.partition(":")
-    if kind not in STEP_CACHE_KINDS:
-        raise ValueError(f"--cache: kind {kind!r} is not one of {', '.join(STEP_CACHE_KINDS)}")
-    if not threshold:
-        return StepCache(kind=kind)
-    if "threshold" not in KIND_FIELDS[kind]:
-        raise ValueError(f"--cache: {kind} takes no threshold")
-    try:
-        value = float(threshold)
-    except ValueError:
-        raise ValueError(f"--cache: threshold {threshold!r} is not a number") from None
-    return StepCache(kind=kind, threshold=value)
-
-
 def resolve(cache: StepCache, steps: int, model_ratios) -> CacheSettings:
     """The settings of `cache` for a request of `steps` steps; ValueError says which parameter is wrong."""
     from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
