@@ -328,3 +328,46 @@ def test_the_cli_flags_parse_a_cache():
     assert args.cache == StepCache("first_block", threshold=0.1)
     args = client_parser().parse_args(["generate", "--prompt", "a red circle", "-o", "x.png", "--cache", "off"])
     assert args.cache == StepCache("off")
+
+
+@pytest.mark.timeout(300)
+def test_rows_that_skip_keep_their_adapters(folders, patterns, tmp_path):
+    """LoRA rows and step caches in one call: the rows a gathered block runs on keep their
+    own adapters (and rows without one none), each equal to the pipeline with its adapters
+    and its hook."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from engine.core import CoreConfig, EngineCore
+    from engine.lora import AdapterPool
+    from engine.models.loading import load_model
+    from engine.testing.loras import make_lora
+
+    folder = folders["sd3"]
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder)
+    make_lora(pipe, "A", 11, {"transformer": dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"])},
+              lora_dir / "A")
+    model = load_model(folder)
+    pool = AdapterPool(model, lora_dir, budget_bytes=64 << 20)
+    core = EngineCore(model, CoreConfig(slots=4), adapters=pool)
+    cases = {
+        "lora-fbc": params(guidance=4.0, seed=1, loras={"A": 1.5}, cache=StepCache("first_block", threshold=0.3)),
+        "plain-fbc": params(guidance=4.0, seed=2, steps=6, cache=StepCache("first_block", threshold=0.3)),
+        "lora": params(guidance=4.0, seed=3, loras={"A": 0.7}),
+        "lora-taylor": params(guidance=1.0, seed=4, loras={"A": 1.0},
+                              cache=StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1)),
+    }
+    d = run_and_release(core, cases)
+    found = patterns()
+    assert core.runner.cache_rows_skipped > 0
+    for rid, p in cases.items():
+        if p.cache is None:
+            from engine.testing.loras import lora_pipeline_output
+
+            want = lora_pipeline_output(folder, lora_dir, p)
+        else:
+            want, pattern = cached_pipeline_output(folder, p, lora_dir=lora_dir)
+            assert found[rid] == oracle_pattern(model, p, pattern), rid
+        err = rel_l2(d.results[rid], want)
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"

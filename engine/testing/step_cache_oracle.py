@@ -91,14 +91,22 @@ def hooked(transformer, config, pattern: list):
             del last.forward
 
 
-def cached_pipeline_output(folder, params, model_ratios=None):
-    """(latents C×h×w, skipped per transformer call) of the pipeline with `params.cache`."""
-    pipe = load_pipeline(str(folder))
+def cached_pipeline_output(folder, params, model_ratios=None, lora_dir=None):
+    """(latents C×h×w, skipped per transformer call) of the pipeline with `params.cache`
+    (and, with `lora_dir`, with its adapters as diffusers loads them)."""
+    if lora_dir is not None:
+        from engine.testing.loras import lora_pipeline, lora_pipeline_output
+
+        pipe = lora_pipeline(str(folder), str(lora_dir))
+        run = lambda: lora_pipeline_output(folder, lora_dir, params)  # noqa: E731
+    else:
+        pipe = load_pipeline(str(folder))
+        run = lambda: pipeline_output_of(folder, params)  # noqa: E731
     if not hasattr(pipe.transformer, "cache_context"):
         from diffusers.models.cache_utils import CacheMixin
 
         pipe.transformer.cache_context = CacheMixin.cache_context.__get__(pipe.transformer)
     pattern: list = []
     with hooked(pipe.transformer, diffusers_config(params.cache, params.steps, model_ratios), pattern):
-        latents = pipeline_output_of(folder, params)
+        latents = run()
     return latents, pattern
