@@ -65,3 +65,20 @@ def test_priorities_quick(tmp_path):
         assert all(float(v) > 0 for v in values[:3]), values
     assert float(rows["preempt"][3]) >= 1 and float(rows["preempt"][4]) > 0, rows["preempt"]
     assert float(rows["priority"][3]) == 0 and float(rows["srpt"][3]) == 0
+
+
+@pytest.mark.timeout(300)
+def test_step_cache_quick(tmp_path):
+    """Every configuration prints its row; caching off is the 1.00 baseline, and a cache
+    that skips work computes fewer rows per call than off."""
+    from engine.testing.tiny_pipelines import build_flux
+
+    folder = build_flux(tmp_path / "flux", seed=3, layers=2, single_layers=2)
+    lines = run_script("step_cache.py", tmp_path, "--model", str(folder), "--requests", "6", "--slots", "4",
+                       "--steps", "4", "--size", "16")
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                              if line.startswith("| ") and not line.startswith("| cache"))}
+    assert set(rows) == {"off", "first_block 0.1", "mag 0.06", "taylorseer 2/2"}, lines
+    assert rows["off"][1] == "1.00" and float(rows["off"][3]) == 0.0
+    assert float(rows["mag 0.06"][3]) > 0 and float(rows["mag 0.06"][2]) < float(rows["off"][2]), lines
+    assert all(float(cells[0]) > 0 for cells in rows.values())
