@@ -184,7 +184,7 @@ class StepCacheSlots:
 
     def place(self, slot: int, value: CacheSlot) -> None:
         device = self.device
-        self.slots[slot] = value.moved(lambda t: t.to(device))
+        self.slots[slot] = value.moved(lambda t: t.to(device, non_blocking=True))
 
     def holds(self, slot: int) -> bool:
         return slot in self.slots
