@@ -113,6 +113,7 @@ CONCERNS = {
     "tests/test_proc.py": ("processes",),
     "tests/test_protocol.py": ("processes",),
     "tests/test_serve_bounds.py": ("processes",),
+    "tests/test_step_cache_served.py": ("processes",),
     # http: the HTTP gateway and the Ray Serve app
     "tests/test_batch_api.py": ("http",),
     "tests/test_edits_http.py": ("http",),
