@@ -1,0 +1,85 @@
+"""Part `step_cache`: per-request step caches on the device, on a FLUX.1-architecture
+transformer at 1024² (random weights, real widths, bf16; the blocks cut as said in its rows),
+through the engine's own loop (`EngineCore` on CUDA, compact layout, eager calls).
+
+Random weights make a data-dependent hit pattern meaningless, so the skip pattern is set:
+MagCache with flat ratios (1.0), no retention and `max_skip_steps=1` skips every other step
+of every request, whatever its step — requests that joined at different steps skip on
+different calls, so the rows that skip leave calls that others still compute. Checked:
+
+- `mag, every other step`: goodput over the same trace uncached, against the ideal
+  1 / (1 − share of row-steps skipped); target ≥ 0.8 × ideal (the part not in the blocks,
+  the gather and the scatter cost the rest);
+- `first_block, never hits` (threshold 0): what deciding per request costs when nothing is
+  skipped (the first block apart, one host read per call); target ≤ 1.15 × uncached time.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.core import CoreConfig, EngineCore
+from engine.protocol import GenerateParams, StepCache
+
+from .flux import FLUX_TRANSFORMER_CONFIG, flux_model
+from .report import check, row
+
+GOODPUT_OF_IDEAL = 0.8
+DECISION_OVERHEAD = 1.15
+
+
+def judge_skip_goodput(speedup: float, skipped_share: float) -> tuple[bool, float]:
+    """(ok, ideal): a cache that skips `skipped_share` of the row-steps should come within
+    GOODPUT_OF_IDEAL of 1 / (1 − share)."""
+    ideal = 1.0 / max(1e-9, 1.0 - skipped_share)
+    return skipped_share > 0 and speedup >= GOODPUT_OF_IDEAL * ideal, ideal
+
+
+def judge_decision_overhead(seconds_deciding: float, seconds_plain: float) -> bool:
+    return seconds_deciding <= DECISION_OVERHEAD * seconds_plain
+
+
+def trace(requests: int, steps: int, cache: StepCache | None) -> list[tuple[str, GenerateParams]]:
+    return [(f"r{k}", GenerateParams(prompt=f"prompt {k % 3}", steps=steps + 2 * (k % 3), seed=k, output="latent",
+                                     sampler="flow_euler", guidance=3.5, cache=cache)) for k in range(requests)]
+
+
+def timed_run(model, jobs, slots: int) -> tuple[float, dict]:
+    core = EngineCore(model, CoreConfig(slots=slots, device="cuda", max_queue=len(jobs) + 1))
+    for rid, p in jobs[:slots // 2]:  # half join now, the rest as slots free up: mixed steps
+        core.add_request(rid, p)
+    pending = list(jobs[slots // 2:])
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while core.has_unfinished_requests() or pending:
+        if pending and len(core.requests) < slots:
+            core.add_request(*pending.pop(0))
+        for out in core.step():
+            if getattr(out, "latents", None) is not None:
+                core.decode_done(out.request_id)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started, core.stats()
+
+
+def run(args) -> None:
+    blocks = (4, 8) if args.quick else (8, 16)
+    config = dict(FLUX_TRANSFORMER_CONFIG, num_layers=blocks[0], num_single_layers=blocks[1])
+    depth = f"{config['num_layers']}/19 double + {config['num_single_layers']}/38 single blocks"
+    model = flux_model(config)
+    slots, requests, steps = (4, 8, 6) if args.quick else (8, 16, 10)
+    row("step_cache", "FLUX-architecture transformer", "blocks", depth, "info",
+        f"bf16, random weights, 1024², {requests} requests of {steps}–{steps + 4} steps, {slots} slots")
+    timed_run(model, trace(2, 2, None), 2)  # warm-up: kernels, allocator
+    plain_s, _ = timed_run(model, trace(requests, steps, None), slots)
+    skip = StepCache("mag", threshold=1.0, max_skip_steps=1, retention_ratio=0.0, mag_ratios=(1.0,))
+    skip_s, stats = timed_run(model, trace(requests, steps, skip), slots)
+    share = stats["cache_hits"] / max(1, stats["cache_decisions"])
+    ok, ideal = judge_skip_goodput(plain_s / skip_s, share)
+    check("step_cache", "mag, every other step", "goodput × uncached", plain_s / skip_s, ok,
+          f"{share:.2f} of row-steps skipped: ideal {ideal:.2f}×, target ≥ {GOODPUT_OF_IDEAL} × ideal")
+    never = StepCache("first_block", threshold=0.0)
+    never_s, stats = timed_run(model, trace(requests, steps, never), slots)
+    check("step_cache", "first_block, never hits", "time × uncached", never_s / plain_s,
+          judge_decision_overhead(never_s, plain_s) and stats["cache_hits"] == 0,
+          f"the per-request decision's cost (first block apart, one host read a call); target ≤ {DECISION_OVERHEAD}")
