@@ -23,6 +23,7 @@ from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
 from engine.core.storage import Batch, SlotStorage, to_host
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
+from engine.models.loading import prompt_rows
 
 log = logging.getLogger("diffslot.core")
 
@@ -147,14 +148,12 @@ class Runner:
             arrays["noise"] = noise
         dev = self._upload(group, arrays)
         noise = dev["noise"] if noise is not None else torch.empty(0, device=self.device)
-        first = row_conditioning[0]
         # a call none of whose requests names an adapter leaves the adapter rows out: its
         # wrapped layers are the base layers (no LoRA kernel launched), and it has its own graph
         skipped = () if any(r.adapters for r in plan.requests) else ADAPTER_FIELDS
         inputs = ModelInputs(
             sample=None, timestep=dev["row_timestep"],
-            hidden=torch.stack([c.hidden for c in row_conditioning]),
-            pooled=None if first.pooled is None else torch.stack([c.pooled for c in row_conditioning]),
+            **prompt_rows(row_conditioning),
             **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
                if name not in skipped})
         return Batch(
@@ -209,6 +208,8 @@ class Runner:
             out = self._denoise_fitting(inputs)
         except Exception as exc:  # find the requests that cause it; the others go on
             out, batch, culprits = self._isolate_failure(group, batch, inputs, exc)
+        if getattr(self.model, "combines_guidance", False):
+            self._combine_guidance(plan, group, batch, out)
         previews = self._previews(plan, group, batch, out)
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
@@ -235,6 +236,17 @@ class Runner:
                            failed={slot: f"{type(error).__name__}: {error}" for slot, error in culprits.items()},
                            row_limit=self._row_limit if self._row_limit_changed else None,
                            step_seconds=self.timer.poll())
+
+    def _combine_guidance(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor) -> None:
+        """A model whose pipeline combines the two branches otherwise than `u + g (c − u)`
+        (Qwen-Image's norm-preserving true CFG) writes each guided pair's result into both
+        its rows; the kernel's (and the generic path's) combine of two equal rows is then
+        that result, exactly."""
+        pairs = [(c, u, plan.request_at(s).cfg_scale) for s, c, u, _ in batch.index_host.tolist() if u >= 0]
+        pairs += [(c, u, plan.request_at(s).cfg_scale) for s, c, u in batch.generic.tolist() if u >= 0]
+        if pairs:
+            cond_rows, uncond_rows, scales = zip(*pairs)
+            self.model.combine_guidance(out, group.latent_shape, cond_rows, uncond_rows, scales)
 
     def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once

@@ -1,0 +1,206 @@
+"""`QwenImagePipeline` folders (and the same folder saved as `QwenImageImg2ImgPipeline` or
+`QwenImageInpaintPipeline`): Qwen-Image.
+
+What it differs in from FLUX, whose per-request pieces it shares (`FluxModel`: the
+samplers, `true_cfg` as two rows, the embedded guidance of a distilled transformer, the
+schedule's `sigmas` and resolution-dependent `mu`, img2img's start step):
+
+- the text encoder is a Qwen2.5-VL language model, through the pipeline's own
+  `encode_prompt` (its chat template, the template's 34 system tokens dropped, the last
+  hidden state): each prompt's embedding has its own length, and the embedding cache
+  holds it at that length (`Conditioning.hidden` is tokens × width, bytes as long as the
+  prompt). A call whose rows have prompts of different lengths pads them with zeros to
+  its longest and passes the mask of real tokens (`ModelInputs.hidden_mask`), as the
+  pipeline pads a batch of prompts; a call whose rows are all one length has no mask, as
+  the pipeline passes none for a single prompt. The length is never part of a group key;
+- `true_cfg` combines the two rows as the pipeline does, norm-preserving:
+  `comb = neg + s · (cond − neg)`, then `comb · (‖cond‖ / ‖comb‖)` per packed token
+  (`combine_guidance`, which the runner calls for every guided pair before the fused
+  update; it writes the result into both rows, whose kernel combine is then exactly it);
+- latents are the VAE's C×h×w (16 channels for the real model), packed 2×2 into tokens
+  only inside `forward`, with `img_shapes` per row as the pipeline passes them;
+- the VAE is `AutoencoderKLQwenImage`, a video VAE taking one frame (B×C×1×H×W) and
+  normalising latents with `latents_mean` / `latents_std`: the image encode, the image
+  latents and the decoder here do as the pipelines do;
+- img2img and inpainting follow `QwenImageImg2ImgPipeline` / `QwenImageInpaintPipeline`
+  (default strength 0.6; inpainting always starts from the image noised to its first
+  timestep, and blends the known region back after every step).
+
+`QwenImageEditPipeline` is not served: its image enters the text encoder through the
+Qwen2.5-VL processor and its latents are appended to every row's image tokens, so its
+rows cannot share a call with text-to-image rows of the same size (see the README).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.core.kernels import combine_norm_preserving
+from engine.models.flux import FLUX_SAMPLERS, FluxModel
+from engine.models.inputs import ModelInputs
+from engine.models.loading import Conditioning, DiffusionModel, VaeDecoder, to_device
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """rows × C × h × w → rows × (h/2 · w/2) × 4C: the pipeline's `_pack_latents`."""
+    rows, channels, h, w = latents.shape
+    latents = latents.view(rows, channels, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(rows, (h // 2) * (w // 2), channels * 4)
+
+
+def _unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `_pack`, as the pipeline's `_unpack_latents` (without its frame axis)."""
+    rows, _, width = tokens.shape
+    tokens = tokens.view(rows, h // 2, w // 2, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return tokens.reshape(rows, width // 4, h, w)
+
+
+class QwenImageVaeDecoder(VaeDecoder):
+    """Final latents → uint8 images as `QwenImagePipeline` decodes them: un-normalised with
+    the VAE's `latents_mean` / `latents_std`, decoded as one frame."""
+
+    def __init__(self, vae, device: torch.device, dtype: torch.dtype = torch.float32):
+        self.vae, self.device, self.dtype = vae, device, dtype
+        self.scale = 2 ** len(vae.config.temperal_downsample)
+
+    @classmethod
+    def from_folder(cls, path: pathlib.Path, device: str | torch.device = "cpu") -> "QwenImageVaeDecoder":
+        from diffusers import AutoencoderKLQwenImage
+
+        vae = AutoencoderKLQwenImage.from_pretrained(pathlib.Path(path) / "vae", low_cpu_mem_usage=False)
+        device = torch.device(device)
+        return cls(vae.to(device).eval().requires_grad_(False), device)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        config = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype).unsqueeze(2)  # one frame
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        images = self.vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return images.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def is_qwen_image_vae(path: pathlib.Path) -> bool:
+    """Whether a folder's `vae/` is Qwen-Image's (read from its config, no weights)."""
+    config = pathlib.Path(path) / "vae" / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("_class_name") == "AutoencoderKLQwenImage"
+
+
+class QwenImageModel(FluxModel):
+    pipeline_class = "QwenImagePipeline"
+    image_pipelines = {"image": "QwenImageImg2ImgPipeline", "mask": "QwenImageInpaintPipeline"}
+    max_sequence_length = 512  # the pipeline's `__call__` default: prompt embeddings cut there
+    #: the runner hands every guided pair to `combine_guidance` before the fused update
+    combines_guidance = True
+
+    def check_params(self, params) -> tuple[str, str] | None:
+        if params.sampler not in FLUX_SAMPLERS:
+            return "sampler", f"{self.pipeline_class} runs {' or '.join(FLUX_SAMPLERS)}, not {params.sampler!r}"
+        return DiffusionModel.check_params(self, params)
+
+    # ---- prompts: each at its own length -----------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str | None]) -> list[Conditioning]:
+        return self._encode_texts(list(prompts))
+
+    def _encode_texts(self, prompts: list[str]) -> list[Conditioning]:
+        """One batched pass of the pipeline's own `encode_prompt`; each prompt's rows cut to
+        its own tokens (the mask the pipeline returns) and copied out of the batch, so an
+        entry holds only its own bytes."""
+        embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, num_images_per_prompt=1,
+                                               max_sequence_length=self.max_sequence_length)
+        lengths = [embeds.shape[1]] * len(prompts) if mask is None else mask.sum(dim=1).tolist()
+        return [Conditioning(e[:n].clone()) for e, n in zip(embeds, lengths)]
+
+    @property
+    def text_width(self) -> int:
+        return int(self.pipe.transformer.config.joint_attention_dim)
+
+    @property
+    def conditioning_layout(self) -> tuple:
+        """Prompt rows of any length up to `max_sequence_length` (None: variable), the
+        transformer's text width, the text encoder's dtype: one group for every prompt."""
+        return ((None, self.text_width), None, str(self.pipe.text_encoder.dtype))
+
+    @property
+    def conditioning_nbytes(self) -> int:
+        """What admission reserves per prompt: the longest embedding the pipeline keeps."""
+        return self.max_sequence_length * self.text_width * self.pipe.text_encoder.dtype.itemsize
+
+    # ---- the denoiser ------------------------------------------------------------------
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        rows, _, h, w = inputs.sample.shape
+        packed = _pack(inputs.sample.to(self.dtype).contiguous())
+        guidance = inputs.guidance if self.guidance_embedded else None
+        out = self.pipe.transformer(
+            hidden_states=packed,
+            timestep=inputs.timestep.to(self.dtype) / 1000,  # the pipeline's `timestep / 1000`
+            guidance=guidance,
+            encoder_hidden_states_mask=inputs.hidden_mask,
+            encoder_hidden_states=inputs.hidden,
+            img_shapes=[[(1, h // 2, w // 2)]] * rows,
+            return_dict=False,
+        )[0]
+        return _unpack(out, h, w)
+
+    def combine_guidance(self, out: torch.Tensor, latent_shape: tuple[int, int, int], cond_rows: Sequence[int],
+                         uncond_rows: Sequence[int], scales: Sequence[float]) -> None:
+        """The pipeline's norm-preserving true-CFG combine of each (cond, uncond) pair of
+        `out` (rows × numel), written into both rows. Pairs with the same scale in one
+        pass; the scale a Python float, as the pipeline multiplies by it."""
+        by_scale: dict[float, list[tuple[int, int]]] = {}
+        for c, u, s in zip(cond_rows, uncond_rows, scales):
+            by_scale.setdefault(float(s), []).append((c, u))
+        for scale, pairs in by_scale.items():
+            cond_index = to_device(torch.tensor([c for c, _ in pairs]), out.device)
+            uncond_index = to_device(torch.tensor([u for _, u in pairs]), out.device)
+            cond = _pack(out.index_select(0, cond_index).view(len(pairs), *latent_shape))
+            uncond = _pack(out.index_select(0, uncond_index).view(len(pairs), *latent_shape))
+            guided = _unpack(combine_norm_preserving(cond, uncond, scale), *latent_shape[1:]).reshape(len(pairs), -1)
+            out.index_copy_(0, cond_index, guided)
+            out.index_copy_(0, uncond_index, guided)
+
+    # ---- image inputs: the VAE takes one frame, latents normalised per channel ------------
+
+    def inpaint_starts_from_noise(self, strength: float) -> bool:
+        """QwenImageInpaintPipeline noises the image to its first timestep at any strength."""
+        return False
+
+    @torch.no_grad()
+    def encode_image_moments(self, pixels: Sequence[torch.Tensor]) -> list:
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        vae = self.vae
+        # the pipeline encodes in the prompt embeddings' dtype, the text encoder's
+        batch = torch.cat(list(pixels)).to(self.device, self.pipe.text_encoder.dtype).unsqueeze(2)
+        parameters = vae.encode(batch).latent_dist.parameters
+        return [AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(parameters[i:i + 1]))
+                for i in range(len(pixels))]
+
+    def image_latents(self, moments, generator: torch.Generator) -> torch.Tensor:
+        """`_encode_vae_image`: a sample of latent_dist from the request's generator,
+        `(latents − mean) · (1 / std)`; one frame, float32 as the engine keeps latents."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
+
+        latents = retrieve_latents(moments, generator=generator)
+        config = self.vae.config
+        mean = to_device(torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1), latents.device)
+        std = to_device(1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1), latents.device)
+        latents = (latents - mean.to(latents.dtype)) * std.to(latents.dtype)
+        return latents[:, :, 0].to(torch.float32)
+
+    @property
+    def decoder(self) -> QwenImageVaeDecoder:
+        decoder = self.__dict__.get("_decoder")
+        if decoder is None:
+            decoder = self.__dict__["_decoder"] = QwenImageVaeDecoder(self.vae, self.device, self.dtype)
+        return decoder
