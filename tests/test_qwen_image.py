@@ -363,3 +363,19 @@ def test_fields_the_model_cannot_use_are_named(folder):
         with pytest.raises(RequestRejected) as err:
             core.add_request("x", params(prompt="a red circle", **fields))
         assert err.value.field == field, (fields, err.value)
+
+
+def test_gpu_bench_part_runs_on_a_tiny_transformer():
+    """`bench/gpu/qwen_image.py`'s measurement, on a CPU-sized transformer of the same class:
+    the batch and the one-at-a-time runs finish every request, and prompts of different
+    lengths shared the batch's calls."""
+    from bench.gpu import qwen_image as part
+    from bench.gpu.report import ROWS
+
+    config = dict(part.QWEN_IMAGE_TRANSFORMER_CONFIG, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+    model = part.qwen_image_model(config, device="cpu", dtype=torch.float32, native_size=64)
+    lengths = {c.hidden.shape[0] for c in model.encode([f"prompt {k}" for k in range(3)])}
+    assert len(lengths) == 3
+    ratio = part.batch_vs_alone(model, 64, 3, 3, device="cpu")
+    assert ratio > 0 and ROWS[-1]["status"] == "ok" and "3.0 useful rows per call" in ROWS[-1]["note"], ROWS[-2:]
