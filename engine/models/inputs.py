@@ -28,7 +28,8 @@ Which model takes which (a field a model does not take stays None):
 
 Qwen-Image (`engine.models.qwen_image`) takes `hidden` (its Qwen2.5-VL encoder's last
 hidden state, each prompt at its own length) with `hidden_mask` where a call's prompts
-differ in length, and `guidance` if its transformer embeds it.
+differ in length, and `guidance` if its transformer embeds it; Qwen-Image-Edit also
+`image_latents`, the edited image's latents, the same for both branches of a request.
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class ModelInputs:
     # rows × sequence bool: a call whose rows' prompts differ in length (Qwen-Image) pads
     # `hidden` with zeros to its longest and marks each row's real tokens; None otherwise
     hidden_mask: torch.Tensor | None = None
+    # rows × C × h' × w': Qwen-Image-Edit's input image latents, appended to each row's image
+    # tokens (a request input: the image kind prepares it at admission)
+    image_latents: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """The fields that are present, by name, in declaration order (a graph's buffers)."""

@@ -557,6 +557,7 @@ _PIPELINES = {
     "QwenImagePipeline": "engine.models.qwen_image:QwenImageModel",
     "QwenImageImg2ImgPipeline": "engine.models.qwen_image:QwenImageModel",
     "QwenImageInpaintPipeline": "engine.models.qwen_image:QwenImageModel",
+    "QwenImageEditPipeline": "engine.models.qwen_image:QwenImageEditModel",
 }
 
 

@@ -26,9 +26,14 @@ schedule's `sigmas` and resolution-dependent `mu`, img2img's start step):
   (default strength 0.6; inpainting always starts from the image noised to its first
   timestep, and blends the known region back after every step).
 
-`QwenImageEditPipeline` is not served: its image enters the text encoder through the
-Qwen2.5-VL processor and its latents are appended to every row's image tokens, so its
-rows cannot share a call with text-to-image rows of the same size (see the README).
+`QwenImageEditPipeline` folders (`QwenImageEditModel`, its own checkpoint) edit an image:
+every request has one. At admission the image kind resizes it to the pipeline's
+`calculate_dimensions` size (1024² area at the image's aspect ratio) and encodes it with
+the VAE (the distribution's mode, no random draw) into the request's `image_latents`,
+appended to its rows' image tokens in `forward`; the preparation phase hands the same
+image to the prompt encode, where the Qwen2.5-VL processor puts its vision tokens in the
+prompt (the embedding cache keys such rows by text and image content). The output is that
+size: rows of one latent shape then have image latents of one shape, so they share calls.
 """
 from __future__ import annotations
 
@@ -139,6 +144,12 @@ class QwenImageModel(FluxModel):
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         rows, _, h, w = inputs.sample.shape
         packed = _pack(inputs.sample.to(self.dtype).contiguous())
+        tokens = packed.shape[1]
+        shapes = [(1, h // 2, w // 2)]
+        if inputs.image_latents is not None:  # Edit: the image's tokens after the noisy latents'
+            image = inputs.image_latents.to(self.dtype)
+            packed = torch.cat([packed, _pack(image.contiguous())], dim=1)
+            shapes.append((1, image.shape[2] // 2, image.shape[3] // 2))
         guidance = inputs.guidance if self.guidance_embedded else None
         out = self.pipe.transformer(
             hidden_states=packed,
@@ -146,10 +157,10 @@ class QwenImageModel(FluxModel):
             guidance=guidance,
             encoder_hidden_states_mask=inputs.hidden_mask,
             encoder_hidden_states=inputs.hidden,
-            img_shapes=[[(1, h // 2, w // 2)]] * rows,
+            img_shapes=[shapes] * rows,
             return_dict=False,
         )[0]
-        return _unpack(out, h, w)
+        return _unpack(out[:, :tokens], h, w)
 
     def combine_guidance(self, out: torch.Tensor, latent_shape: tuple[int, int, int], cond_rows: Sequence[int],
                          uncond_rows: Sequence[int], scales: Sequence[float]) -> None:
@@ -204,3 +215,87 @@ class QwenImageModel(FluxModel):
         if decoder is None:
             decoder = self.__dict__["_decoder"] = QwenImageVaeDecoder(self.vae, self.device, self.dtype)
         return decoder
+
+
+class QwenImageEditModel(QwenImageModel):
+    """`QwenImageEditPipeline` folders: every request edits its `image` (see the module
+    docstring). What differs from text-to-image, as the pipeline does it: the prompt
+    template with the image's vision tokens (the pipeline's own `encode_prompt` with the
+    resized image), no truncation of the prompt rows, the image latents as a per-row input
+    (the VAE's mode, normalised as `(x − mean) / std`), the output size the image's."""
+
+    pipeline_class = "QwenImageEditPipeline"
+    image_pipelines = {"image": "QwenImageEditPipeline"}
+    #: the image kind conditions every step on the image (no strength, from noise)
+    conditions_on_image = True
+    #: the preparation phase encodes each prompt with its request's image
+    prompt_takes_image = True
+    #: the pipeline's target area for the image, at its aspect ratio
+    image_area = 1024 * 1024
+
+    def check_params(self, params) -> tuple[str, str] | None:
+        if params.image is None:
+            return "image", f"{self.pipeline_class} edits an image: `image` is required"
+        return super().check_params(params)
+
+    def image_pipeline(self, field: str):
+        return self.pipe
+
+    def calculated_size(self, image) -> tuple[int, int]:
+        """(height, width) the pipeline resizes the image to: `calculate_dimensions` of its
+        target area at the image's aspect ratio (looked up on the pipeline's module at each
+        call, as the pipeline does)."""
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+        width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(self.image_area, image.width / image.height)
+        return int(height), int(width)
+
+    def image_size(self, image, height: int | None, width: int | None) -> tuple[int, int]:
+        """The pipeline's default output size: the calculated size, rounded down to its multiple."""
+        calculated_height, calculated_width = self.calculated_size(image)
+        multiple = self.pipe.vae_scale_factor * 2
+        height, width = height or calculated_height, width or calculated_width
+        return height // multiple * multiple, width // multiple * multiple
+
+    def prompt_image(self, image):
+        """The image as the pipeline hands it to the processor: resized to the calculated size."""
+        height, width = self.calculated_size(image)
+        return self.pipe.image_processor.resize(image, height, width)
+
+    def preprocess_image(self, image, height: int, width: int) -> torch.Tensor:
+        """The VAE's input as the pipeline makes it: resized to the calculated size (whatever
+        the output size), then preprocessed at that size."""
+        calculated_height, calculated_width = self.calculated_size(image)
+        pixels = self.pipe.image_processor.preprocess(self.prompt_image(image), calculated_height, calculated_width)
+        return pixels.to(dtype=torch.float32)
+
+    def edit_image_latents(self, moments) -> torch.Tensor:
+        """`_encode_vae_image` with `sample_mode="argmax"`: the mode, `(x − mean) / std`, one
+        frame; in the weights' dtype, as the pipeline concatenates it with the latents."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
+
+        latents = retrieve_latents(moments, sample_mode="argmax")
+        config = self.vae.config
+        mean = to_device(torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1), latents.device)
+        std = to_device(torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1), latents.device)
+        latents = (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+        return latents[:, :, 0].to(self.dtype)
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str | None], images: Sequence | None = None) -> list[Conditioning]:
+        if images is None:
+            raise ValueError(f"{self.pipeline_class} encodes each prompt with its image")
+        return self._encode_texts(list(prompts), [self.prompt_image(image) for image in images])
+
+    def _encode_texts(self, prompts: list[str], images: list | None = None) -> list[Conditioning]:
+        embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), image=images, device=self.device,
+                                               num_images_per_prompt=1)
+        lengths = [embeds.shape[1]] * len(prompts) if mask is None else mask.sum(dim=1).tolist()
+        return [Conditioning(e[:n].clone()) for e, n in zip(embeds, lengths)]
+
+    @property
+    def conditioning_nbytes(self) -> int:
+        """What admission reserves per prompt: the pipeline's longest text (1024 tokens) and
+        the vision tokens of an image of the target area (one per 28×28 pixels)."""
+        tokens = self.pipe.tokenizer_max_length + self.image_area // (28 * 28)
+        return tokens * self.text_width * self.pipe.text_encoder.dtype.itemsize
