@@ -7,6 +7,7 @@ cancels. The embedding cache's entries and bytes, the decoder, the geometry read
 the configs, and the fields the model cannot use."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import random
 
@@ -159,6 +160,12 @@ def test_forward_on_rows_of_different_lengths_equals_each_alone(folder):
     for r, c in enumerate(rows):
         want = model.run(model_inputs(x[r:r + 1], t[r:r + 1], [c]))
         assert rel_l2(got[r:r + 1].numpy(), want.numpy()) < 1e-5, r
+    # padded to a multiple (the runner's text buckets under CUDA graphs): the same results
+    bucketed = prompt_rows(rows, 64)
+    assert bucketed["hidden"].shape[1] == 64 and bucketed["hidden_mask"].sum(1).tolist() == mask.sum(1).tolist()
+    assert prompt_rows(rows[:1], 64)["hidden_mask"] is not None
+    padded = model.run(dataclasses.replace(model_inputs(x, t, rows), **bucketed))
+    assert rel_l2(padded.numpy(), got.numpy()) < 1e-5
     # the padding is masked: other prompts' lengths change nothing, a row's own prompt does
     other = model.run(model_inputs(x[:1], t[:1], [rows[1]]))
     assert (other - got[:1]).abs().max() > 1e-3

@@ -47,6 +47,8 @@ class Runner:
         self.graphed: GraphedDenoiser | None = None
         if config.cuda_graphs and config.layout == "bucketed" and device.type == "cuda":
             self.graphed = GraphedDenoiser(model, CudaGraphCapture(device), graph_layout_version)
+        # prompts of different lengths (Qwen-Image) padded per call: to a multiple under graphs
+        self.text_length_multiple = getattr(model, "text_length_multiple", 1) if self.graphed else 1
 
     # ---- the storage -----------------------------------------------------------------
 
@@ -153,7 +155,7 @@ class Runner:
         skipped = () if any(r.adapters for r in plan.requests) else ADAPTER_FIELDS
         inputs = ModelInputs(
             sample=None, timestep=dev["row_timestep"],
-            **prompt_rows(row_conditioning),
+            **prompt_rows(row_conditioning, self.text_length_multiple),
             **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
                if name not in skipped})
         return Batch(

@@ -374,15 +374,16 @@ class _Latents:
     latents: torch.Tensor
 
 
-def prompt_rows(rows: Sequence[Conditioning]) -> dict[str, torch.Tensor | None]:
+def prompt_rows(rows: Sequence[Conditioning], multiple: int = 1) -> dict[str, torch.Tensor | None]:
     """One call's `hidden`, `pooled` and `hidden_mask` from its rows' prompt rows, stacked.
     Prompts of different lengths (Qwen-Image's) are padded with zeros to the call's
-    longest, with a mask of each row's real tokens, as a pipeline pads a batch of prompts;
-    rows all of one length stack as they are, without a mask. The lengths are the rows'
-    shapes, known on the host: no device read."""
+    longest, rounded up to `multiple` (a few text lengths, so a few CUDA graphs), with a
+    mask of each row's real tokens, as a pipeline pads a batch of prompts; rows all of one
+    length that needs no rounding stack as they are, without a mask. The lengths are the
+    rows' shapes, known on the host: no device read."""
     lengths = [int(c.hidden.shape[0]) if c.hidden.dim() >= 2 else 0 for c in rows]
     pooled = None if rows[0].pooled is None else torch.stack([c.pooled for c in rows])
-    longest = max(lengths)
+    longest = -(-max(lengths) // multiple) * multiple
     if all(n == longest for n in lengths):
         return {"hidden": torch.stack([c.hidden for c in rows]), "pooled": pooled, "hidden_mask": None}
     hidden = torch.stack([torch.nn.functional.pad(c.hidden, (0, 0, 0, longest - n)) for c, n in zip(rows, lengths)])

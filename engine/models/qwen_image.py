@@ -103,6 +103,9 @@ class QwenImageModel(FluxModel):
     max_sequence_length = 512  # the pipeline's `__call__` default: prompt embeddings cut there
     #: the runner hands every guided pair to `combine_guidance` before the fused update
     combines_guidance = True
+    #: under CUDA graphs a call's prompt rows are padded to a multiple of this many tokens:
+    #: one graph per (rows, text bucket), not per prompt length
+    text_length_multiple = 64
 
     def check_params(self, params) -> tuple[str, str] | None:
         if params.sampler not in FLUX_SAMPLERS:
