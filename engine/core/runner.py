@@ -239,17 +239,6 @@ class Runner:
                            row_limit=self._row_limit if self._row_limit_changed else None,
                            step_seconds=self.timer.poll())
 
-    def _combine_guidance(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor) -> None:
-        """A model whose pipeline combines the two branches otherwise than `u + g (c − u)`
-        (Qwen-Image's norm-preserving true CFG) writes each guided pair's result into both
-        its rows; the kernel's (and the generic path's) combine of two equal rows is then
-        that result, exactly."""
-        pairs = [(c, u, plan.request_at(s).cfg_scale) for s, c, u, _ in batch.index_host.tolist() if u >= 0]
-        pairs += [(c, u, plan.request_at(s).cfg_scale) for s, c, u in batch.generic.tolist() if u >= 0]
-        if pairs:
-            cond_rows, uncond_rows, scales = zip(*pairs)
-            self.model.combine_guidance(out, group.latent_shape, cond_rows, uncond_rows, scales)
-
     def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once
         the device has run out of memory for more."""
@@ -334,6 +323,17 @@ class Runner:
             if plan.step_at(slot) + 1 in plan.request_at(slot).preview_steps:
                 due[slot] = None  # filled from the scheduler's own x0 in `_step_generic`
         return due
+
+    def _combine_guidance(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor) -> None:
+        """A model whose pipeline combines the two branches otherwise than `u + g (c − u)`
+        (Qwen-Image's norm-preserving true CFG) writes each guided pair's result into both
+        its rows; the kernel's (and the generic path's) combine of two equal rows is then
+        that result, exactly."""
+        pairs = [(c, u, plan.request_at(s).cfg_scale) for s, c, u, _ in batch.index_host.tolist() if u >= 0]
+        pairs += [(c, u, plan.request_at(s).cfg_scale) for s, c, u in batch.generic.tolist() if u >= 0]
+        if pairs:
+            cond_rows, uncond_rows, scales = zip(*pairs)
+            self.model.combine_guidance(out, group.latent_shape, cond_rows, uncond_rows, scales)
 
     def _generic_timestep(self, plan: StepPlan, slot: int) -> torch.Tensor:
         trajectory = plan.request_at(slot).trajectory  # an image request runs the schedule's tail from `begin`

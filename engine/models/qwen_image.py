@@ -112,6 +112,11 @@ class QwenImageModel(FluxModel):
             return "sampler", f"{self.pipeline_class} runs {' or '.join(FLUX_SAMPLERS)}, not {params.sampler!r}"
         return DiffusionModel.check_params(self, params)
 
+    def step_cache_support(self) -> str | None:
+        """Per-request step caches are not served on Qwen-Image yet: its prompt rows differ
+        in length per row, which a cache state sized by one text length does not hold."""
+        return f"{self.pipeline_class}: step caches are not served yet (prompt rows of per-row lengths)"
+
     # ---- prompts: each at its own length -----------------------------------------------
 
     @torch.no_grad()
