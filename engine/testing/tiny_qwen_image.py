@@ -46,14 +46,15 @@ QWEN_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shi
                             stochastic_sampling=False)
 
 
-def qwen2_5_vl_config(vocab_size: int, hidden: int = 16, special: dict | None = None):
-    """The text encoder's config as diffusers' tests size it, on the tokenizer's vocabulary."""
+def qwen2_5_vl_config(vocab_size: int, hidden: int = 16, special: dict | None = None, text_ids: dict | None = None):
+    """The text encoder's config as diffusers' tests size it, on the tokenizer's vocabulary
+    (`special`: its vision token ids; `text_ids`: its bos / eos / pad ids)."""
     from transformers import Qwen2_5_VLConfig
 
     special = special or {}
     return Qwen2_5_VLConfig(
         text_config={"hidden_size": hidden, "intermediate_size": hidden, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab_size,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab_size, **(text_ids or {}),
                      "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
                      "rope_theta": 1000000.0},
         vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
@@ -75,7 +76,11 @@ def build_qwen_image(folder, *, seed: int = 0, words=WORDS, guidance_embeds: boo
                    vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
     torch.manual_seed(seed)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config(len(tokenizer), special=special)).eval()
+    # Qwen2.5-VL's: <|endoftext|> begins and pads, <|im_end|> ends a turn
+    text_ids = dict(bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+                    pad_token_id=ids("<|endoftext|>"))
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        qwen2_5_vl_config(len(tokenizer), special=special, text_ids=text_ids)).eval()
     torch.manual_seed(seed + 1)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
