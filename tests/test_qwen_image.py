@@ -413,41 +413,45 @@ def test_gpu_bench_part_runs_on_a_tiny_transformer():
 # the absent video processor only (`edit_pipeline`), and the engine's QwenImageEditModel
 # serves that object. The pipeline's target area (1024², hard-coded in its call) is scaled
 # to 48² through its module's `calculate_dimensions`, which the pipeline and the engine
-# both call: a CPU test cannot run a 1024² image's 16384 tokens per row.
+# both call: a CPU test cannot run a 1024² image's 16384 tokens per row. EditPlus
+# (Qwen-Image-Edit-2509) is served on the same road, one image a request.
 
 EDIT_AREA = 48 * 48
 
 
-@pytest.fixture(scope="module")
-def edit_model(folder):
+@pytest.fixture(scope="module", params=["QwenImageEditPipeline", "QwenImageEditPlusPipeline"])
+def edit_model(folder, request):
     import diffusers
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
 
-    from engine.models.qwen_image import QwenImageEditModel
+    from engine.models.loading import model_class_of
 
     checked = ProcessorMixin.check_argument_for_proper_class
-    calculate = pipeline_qwenimage_edit.calculate_dimensions
 
     def check(self, name, value):
         if name == "video_processor" and value is None:  # the one class torchvision would provide
             return None
         return checked(self, name, value)
 
+    def scaled(calculate):
+        # 1024² → 48²; EditPlus's 384² condition area → 32², at least a 32-pixel side
+        return lambda area, ratio: calculate(max(area * EDIT_AREA // (1024 * 1024), 32 * 32), ratio)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ProcessorMixin, "check_argument_for_proper_class", check)
-        patch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
-                      lambda area, ratio: calculate(area * EDIT_AREA // (1024 * 1024), ratio))
+        for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+            patch.setattr(module, "calculate_dimensions", scaled(module.calculate_dimensions))
         base = load_pipeline(str(folder))
         processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=base.tokenizer,
                                      video_processor=None)
-        pipe = diffusers.QwenImageEditPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=base.text_encoder,
-                                               tokenizer=base.tokenizer, processor=processor,
-                                               transformer=base.transformer)
+        pipe = getattr(diffusers, request.param)(scheduler=base.scheduler, vae=base.vae, text_encoder=base.text_encoder,
+                                                 tokenizer=base.tokenizer, processor=processor,
+                                                 transformer=base.transformer)
         pipe.set_progress_bar_config(disable=True)
-        yield QwenImageEditModel(folder, pipe, torch.device("cpu"), torch.float32)
+        yield model_class_of(request.param)(folder, pipe, torch.device("cpu"), torch.float32)
 
 
 @torch.no_grad()
@@ -474,9 +478,10 @@ def _edit_case(rng: random.Random, size=(60, 40), **fields) -> GenerateParams:
 def test_edit_model_is_registered_and_checks_its_fields(edit_model):
     from engine.core.outputs import RequestRejected
     from engine.models.loading import model_class_of
-    from engine.models.qwen_image import QwenImageEditModel
+    from engine.models.qwen_image import QwenImageEditModel, QwenImageEditPlusModel
 
     assert model_class_of("QwenImageEditPipeline") is QwenImageEditModel
+    assert model_class_of("QwenImageEditPlusPipeline") is QwenImageEditPlusModel
     core = EngineCore(edit_model, CoreConfig(slots=2))
     rng = random.Random("edit-fields")
     image = drawn_image(rng, 60, 40)
@@ -506,7 +511,7 @@ def test_edit_request_alone_equals_the_pipeline(edit_model, cfg):
     got, want = d.results["r"], edit_pipeline_output(edit_model, p)
     assert got.shape == want.shape == (4, 8, 16)
     err = rel_l2(got, want)
-    print(f"edit alone {'true-cfg' if cfg else 'one-row'}: relative L2 {err:.2e}")
+    print(f"{edit_model.pipeline_class} alone {'true-cfg' if cfg else 'one-row'}: relative L2 {err:.2e}")
     assert err <= ALONE_TOL and want.std() > 0.05
     # the cache hit for the request: the rows were keyed by text and image content
     assert core.embeddings.stats()["embedding_cache_hits"] == (2 if cfg else 1)
@@ -565,4 +570,5 @@ def test_edit_shared_calls_with_late_joins_and_cancels_equal_the_pipeline(edit_m
         err = rel_l2(d.results[rid], edit_pipeline_output(edit_model, p))
         worst = max(worst, err)
         assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
-    print(f"edit shared: worst relative L2 {worst:.2e} over {len(cases)} requests; calls {calls}")
+    print(f"{edit_model.pipeline_class} shared: worst relative L2 {worst:.2e} over {len(cases)} requests; "
+          f"calls {calls}")

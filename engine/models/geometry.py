@@ -42,7 +42,8 @@ def pipeline_class_of(path: pathlib.Path) -> str:
 #: Pipelines whose default size is not the denoiser's `sample_size`: the pipeline's own
 #: `default_sample_size` (in latent cells) where the transformer has no such field.
 _DEFAULT_SAMPLE_SIZE = {"FluxPipeline": 128, "QwenImagePipeline": 128, "QwenImageImg2ImgPipeline": 128,
-                        "QwenImageInpaintPipeline": 128, "QwenImageEditPipeline": 128}
+                        "QwenImageInpaintPipeline": 128, "QwenImageEditPipeline": 128,
+                        "QwenImageEditPlusPipeline": 128}
 
 
 def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_is_unet: bool) -> Geometry:

@@ -559,6 +559,7 @@ _PIPELINES = {
     "QwenImageImg2ImgPipeline": "engine.models.qwen_image:QwenImageModel",
     "QwenImageInpaintPipeline": "engine.models.qwen_image:QwenImageModel",
     "QwenImageEditPipeline": "engine.models.qwen_image:QwenImageEditModel",
+    "QwenImageEditPlusPipeline": "engine.models.qwen_image:QwenImageEditPlusModel",
 }
 
 

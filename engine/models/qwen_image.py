@@ -34,6 +34,8 @@ appended to its rows' image tokens in `forward`; the preparation phase hands the
 image to the prompt encode, where the Qwen2.5-VL processor puts its vision tokens in the
 prompt (the embedding cache keys such rows by text and image content). The output is that
 size: rows of one latent shape then have image latents of one shape, so they share calls.
+`QwenImageEditPlusPipeline` folders (Qwen-Image-Edit-2509) take the same road with one
+image a request (`QwenImageEditPlusModel`).
 """
 from __future__ import annotations
 
@@ -240,6 +242,14 @@ class QwenImageEditModel(QwenImageModel):
     prompt_takes_image = True
     #: the pipeline's target area for the image, at its aspect ratio
     image_area = 1024 * 1024
+    #: the pipeline's module, whose `calculate_dimensions` (and areas) it calls
+    pipeline_module = "pipeline_qwenimage_edit"
+
+    @property
+    def module(self):
+        import importlib
+
+        return importlib.import_module(f"diffusers.pipelines.qwenimage.{self.pipeline_module}")
 
     def check_params(self, params) -> tuple[str, str] | None:
         if params.image is None:
@@ -249,14 +259,12 @@ class QwenImageEditModel(QwenImageModel):
     def image_pipeline(self, field: str):
         return self.pipe
 
-    def calculated_size(self, image) -> tuple[int, int]:
+    def calculated_size(self, image, area: int | None = None) -> tuple[int, int]:
         """(height, width) the pipeline resizes the image to: `calculate_dimensions` of its
-        target area at the image's aspect ratio (looked up on the pipeline's module at each
-        call, as the pipeline does)."""
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-
-        width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(self.image_area, image.width / image.height)
-        return int(height), int(width)
+        target area (`area`, default `image_area`) at the image's aspect ratio, looked up on
+        the pipeline's module at each call, as the pipeline does."""
+        dims = self.module.calculate_dimensions(area or self.image_area, image.width / image.height)
+        return int(dims[1]), int(dims[0])
 
     def image_size(self, image, height: int | None, width: int | None) -> tuple[int, int]:
         """The pipeline's default output size: the calculated size, rounded down to its multiple."""
@@ -307,3 +315,30 @@ class QwenImageEditModel(QwenImageModel):
         the vision tokens of an image of the target area (one per 28×28 pixels)."""
         tokens = self.pipe.tokenizer_max_length + self.image_area // (28 * 28)
         return tokens * self.text_width * self.pipe.text_encoder.dtype.itemsize
+
+
+class QwenImageEditPlusModel(QwenImageEditModel):
+    """`QwenImageEditPlusPipeline` folders (Qwen-Image-Edit-2509), one image a request (the
+    API's `image`). As Edit, but as its pipeline does it: the text encoder sees the image
+    resized to its `CONDITION_IMAGE_SIZE` area under a "Picture 1:" prefix, the VAE the image
+    preprocessed straight at its `VAE_IMAGE_SIZE` area; the output size is the 1024² area's.
+    Its template numbers every image of an encoder call into every prompt of it, so each
+    prompt is encoded in a call of its own."""
+
+    pipeline_class = "QwenImageEditPlusPipeline"
+    image_pipelines = {"image": "QwenImageEditPlusPipeline"}
+    pipeline_module = "pipeline_qwenimage_edit_plus"
+
+    def prompt_image(self, image):
+        height, width = self.calculated_size(image, self.module.CONDITION_IMAGE_SIZE)
+        return self.pipe.image_processor.resize(image, height, width)
+
+    def preprocess_image(self, image, height: int, width: int) -> torch.Tensor:
+        vae_height, vae_width = self.calculated_size(image, self.module.VAE_IMAGE_SIZE)
+        return self.pipe.image_processor.preprocess(image, vae_height, vae_width).to(dtype=torch.float32)
+
+    def _encode_texts(self, prompts: list[str], images: list | None = None) -> list[Conditioning]:
+        rows = []
+        for prompt, image in zip(prompts, images):
+            rows += super()._encode_texts([prompt], [image])
+        return rows
