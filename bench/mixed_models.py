@@ -1,5 +1,5 @@
-"""Mixed sizes on SDXL and FLUX: how a step-level engine batches a backend's traffic of
-many sizes, samplers and per-request inputs, on tiny random-weight folders.
+"""Mixed sizes on SDXL, FLUX and Qwen-Image: how a step-level engine batches a backend's
+traffic of many sizes, samplers and per-request inputs, on tiny random-weight folders.
 
     python bench/mixed_models.py [--requests 48] [--slots 8] [--threads 2] [--policy fifo|srpt] [--quick]
 
@@ -7,9 +7,12 @@ For a tiny SDXL folder and a tiny FLUX-dev folder (`engine.testing.tiny_pipeline
 trace each, all queued at once: three sizes, step counts 4/10/20, samplers mixed (SDXL:
 euler, ddim, dpmpp_2m; FLUX: default, flow_euler), guidance 1–7 (FLUX: embedded guidance,
 some `true_cfg` requests with a negative prompt), SDXL crops and original sizes per
-request, a few cancels. Reported per model: completed, canceled, denoiser calls, groups
-(one per size: the only key besides the model), useful rows per call, and how many
-calls mixed rows of different per-request inputs (time ids, embedded guidance) and of
+request, a few cancels; and a tiny Qwen-Image folder (`engine.testing.tiny_qwen_image`)
+whose prompts and negative prompts have different token counts, with `true_cfg` on and
+off. Reported per model: completed, canceled, denoiser calls, groups (one per size: the
+only key besides the model), useful rows per call, and how many calls mixed rows of
+different per-request inputs (time ids, embedded guidance), of prompts of different
+lengths (Qwen-Image: a call padded to its longest prompt, with the mask) and of
 different steps — what a request-level batcher keyed by those could not share.
 """
 from __future__ import annotations
@@ -25,8 +28,12 @@ from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled
 from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.tiny_pipelines import build_flux, build_sdxl
+from engine.testing.tiny_qwen_image import build_qwen_image
 
 PROMPTS = ("a red circle", "a big blue cat", "the small green dog", "a photo of a yellow cross")
+#: Qwen-Image prompts of 1 to 11 words: each a different number of tokens
+QWEN_PROMPTS = ("dog", "a red circle", "a big blue cat with a small green dog", "a photo of a yellow cross",
+                "a small green triangle over blue hills with a red sky", "cat")
 
 
 def trace(kind: str, n: int, sizes: list[int]) -> list[tuple[str, GenerateParams, bool]]:
@@ -38,10 +45,16 @@ def trace(kind: str, n: int, sizes: list[int]) -> list[tuple[str, GenerateParams
         if kind == "sdxl":
             params = GenerateParams(**common, sampler=("euler", "ddim", "dpmpp_2m")[k % 3], guidance=(1.0, 3.0, 7.0)[k % 3],
                                     crops_coords_top_left=(0, 4 * (k % 2)), original_size=(size + 8 * (k % 3), size))
-        else:
+        elif kind == "flux":
             true_cfg = k % 4 == 1
             params = GenerateParams(**common, sampler=("default", "flow_euler")[k % 2], guidance=1.0 + k % 5,
                                     negative_prompt="blurry" if true_cfg else None, true_cfg=2.0 if true_cfg else 1.0)
+        else:  # Qwen-Image: prompts of several lengths, true CFG with negative prompts of others
+            true_cfg = k % 3 == 1
+            common["prompt"] = QWEN_PROMPTS[k % len(QWEN_PROMPTS)]
+            params = GenerateParams(**common, sampler=("default", "flow_euler")[k % 2],
+                                    negative_prompt=("blurry", "a bad photo")[k % 2] if true_cfg else None,
+                                    true_cfg=4.0 if true_cfg else 1.0)
         out.append((f"{kind}{k}", params, steps == 20 and k % 5 == 2))
     return out
 
@@ -58,7 +71,7 @@ def run(model, jobs, slots: int, policy: str | None = None) -> dict:
     core = EngineCore(model, CoreConfig(slots=slots, max_queue=len(jobs) + 1, decode_buffers=2 * slots,
                                         trajectory_budget_bytes=1 << 30, output_budget_bytes=1 << 30,
                                         **policy_field))
-    calls = {"n": 0, "rows": 0, "mixed_inputs": 0, "mixed_steps": 0}
+    calls = {"n": 0, "rows": 0, "mixed_inputs": 0, "mixed_lengths": 0, "mixed_steps": 0}
     inner = model.run
 
     def counting(inputs):
@@ -69,6 +82,8 @@ def run(model, jobs, slots: int, policy: str | None = None) -> dict:
             if value is not None and distinct_rows(value) > 1:
                 calls["mixed_inputs"] += 1
                 break
+        if inputs.hidden_mask is not None:  # rows whose prompts differ in length, padded in one call
+            calls["mixed_lengths"] += 1
         if len(set(inputs.timestep.tolist())) > 1:
             calls["mixed_steps"] += 1
         return inner(inputs)
@@ -97,7 +112,8 @@ def run(model, jobs, slots: int, policy: str | None = None) -> dict:
     useful = core.stats()["useful_evals"]
     return dict(done=done, canceled=canceled, calls=calls["n"], groups=len(groups), wall=wall,
                 useful_rows_per_call=useful / max(1, calls["n"]), rows_per_call=calls["rows"] / max(1, calls["n"]),
-                mixed_inputs=calls["mixed_inputs"], mixed_steps=calls["mixed_steps"])
+                mixed_inputs=calls["mixed_inputs"], mixed_lengths=calls["mixed_lengths"],
+                mixed_steps=calls["mixed_steps"])
 
 
 def main() -> None:
@@ -114,15 +130,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"sdxl": (build_sdxl(pathlib.Path(tmp) / "sdxl"), [16, 24, 32]),
-                   "flux": (build_flux(pathlib.Path(tmp) / "flux", guidance_embeds=True), [32, 48, 64])}
+                   "flux": (build_flux(pathlib.Path(tmp) / "flux", guidance_embeds=True), [32, 48, 64]),
+                   "qwen": (build_qwen_image(pathlib.Path(tmp) / "qwen"), [32, 48, 64])}
         print(f"{args.requests} requests a model, {args.slots} slots, {args.threads} torch threads, "
               f"policy {args.policy or 'the engine default'}")
         print(f"{'model':<6} {'done':>5} {'canc':>5} {'calls':>6} {'groups':>7} {'useful rows/call':>17} "
-              f"{'calls mixing inputs':>20} {'calls mixing steps':>19} {'wall s':>7}")
+              f"{'calls mixing inputs':>20} {'calls mixing prompt lengths':>28} {'calls mixing steps':>19} "
+              f"{'wall s':>7}")
         for kind, (folder, sizes) in folders.items():
             r = run(load_model(folder), trace(kind, args.requests, sizes), args.slots, args.policy)
             print(f"{kind:<6} {r['done']:>5} {r['canceled']:>5} {r['calls']:>6} {r['groups']:>7} "
-                  f"{r['useful_rows_per_call']:>17.1f} {r['mixed_inputs']:>20} {r['mixed_steps']:>19} {r['wall']:>7.1f}")
+                  f"{r['useful_rows_per_call']:>17.1f} {r['mixed_inputs']:>20} {r['mixed_lengths']:>28} "
+                  f"{r['mixed_steps']:>19} {r['wall']:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -67,15 +67,20 @@ class Preparation:
                     failed[request] = f"the text encoder raised {type(error).__name__}: {error}"
 
     def _attach(self, requests: list[Request]) -> None:
-        texts, adapter_sets = [], []
+        texts, adapter_sets, images = [], [], []
+        # an edit model (Qwen-Image-Edit) encodes each prompt with its request's image
+        takes_image = getattr(self.model, "prompt_takes_image", False)
         for request in requests:
+            image = request.inputs["image"].image if takes_image else None
             texts.append(request.params.prompt)
             adapter_sets.append(request.params.loras)
+            images.append(image)
             if request.cfg_scale is not None:
                 texts.append(self.model.negative_text(request.params))
                 adapter_sets.append(request.params.loras)
+                images.append(image)
         started = self.clock()
-        rows = self.embeddings.get_many(texts, adapter_sets)
+        rows = self.embeddings.get_many(texts, adapter_sets, images if takes_image else None)
         now = self.clock()
         k = 0
         for request in requests:

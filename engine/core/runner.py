@@ -23,6 +23,7 @@ from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
 from engine.core.storage import Batch, SlotStorage, to_host
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
+from engine.models.loading import prompt_rows
 
 log = logging.getLogger("diffslot.core")
 
@@ -48,6 +49,8 @@ class Runner:
         self.graphed: GraphedDenoiser | None = None
         if config.cuda_graphs and config.layout == "bucketed" and device.type == "cuda":
             self.graphed = GraphedDenoiser(model, CudaGraphCapture(device), graph_layout_version)
+        # prompts of different lengths (Qwen-Image) padded per call: to a multiple under graphs
+        self.text_length_multiple = getattr(model, "text_length_multiple", 1) if self.graphed else 1
 
     # ---- the storage -----------------------------------------------------------------
 
@@ -149,14 +152,12 @@ class Runner:
             arrays["noise"] = noise
         dev = self._upload(group, arrays)
         noise = dev["noise"] if noise is not None else torch.empty(0, device=self.device)
-        first = row_conditioning[0]
         # a call none of whose requests names an adapter leaves the adapter rows out: its
         # wrapped layers are the base layers (no LoRA kernel launched), and it has its own graph
         skipped = () if any(r.adapters for r in plan.requests) else ADAPTER_FIELDS
         inputs = ModelInputs(
             sample=None, timestep=dev["row_timestep"],
-            hidden=torch.stack([c.hidden for c in row_conditioning]),
-            pooled=None if first.pooled is None else torch.stack([c.pooled for c in row_conditioning]),
+            **prompt_rows(row_conditioning, self.text_length_multiple),
             **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
                if name not in skipped})
         return Batch(
@@ -215,6 +216,8 @@ class Runner:
             out, batch, culprits = self._isolate_failure(group, batch, inputs, exc)
             cache_call = None
         cached = self._count_cache(cache_call)
+        if getattr(self.model, "combines_guidance", False):
+            self._combine_guidance(plan, group, batch, out)
         previews = self._previews(plan, group, batch, out)
         update_slots(out, group.latents, group.history, batch.noise, batch.index, batch.coefs)
         if len(batch.generic):
@@ -372,6 +375,17 @@ class Runner:
             if plan.step_at(slot) + 1 in plan.request_at(slot).preview_steps:
                 due[slot] = None  # filled from the scheduler's own x0 in `_step_generic`
         return due
+
+    def _combine_guidance(self, plan: StepPlan, group: SlotStorage, batch: Batch, out: torch.Tensor) -> None:
+        """A model whose pipeline combines the two branches otherwise than `u + g (c − u)`
+        (Qwen-Image's norm-preserving true CFG) writes each guided pair's result into both
+        its rows; the kernel's (and the generic path's) combine of two equal rows is then
+        that result, exactly."""
+        pairs = [(c, u, plan.request_at(s).cfg_scale) for s, c, u, _ in batch.index_host.tolist() if u >= 0]
+        pairs += [(c, u, plan.request_at(s).cfg_scale) for s, c, u in batch.generic.tolist() if u >= 0]
+        if pairs:
+            cond_rows, uncond_rows, scales = zip(*pairs)
+            self.model.combine_guidance(out, group.latent_shape, cond_rows, uncond_rows, scales)
 
     def _generic_timestep(self, plan: StepPlan, slot: int) -> torch.Tensor:
         trajectory = plan.request_at(slot).trajectory  # an image request runs the schedule's tail from `begin`

@@ -41,7 +41,9 @@ def pipeline_class_of(path: pathlib.Path) -> str:
 
 #: Pipelines whose default size is not the denoiser's `sample_size`: the pipeline's own
 #: `default_sample_size` (in latent cells) where the transformer has no such field.
-_DEFAULT_SAMPLE_SIZE = {"FluxPipeline": 128}
+_DEFAULT_SAMPLE_SIZE = {"FluxPipeline": 128, "QwenImagePipeline": 128, "QwenImageImg2ImgPipeline": 128,
+                        "QwenImageInpaintPipeline": 128, "QwenImageEditPipeline": 128,
+                        "QwenImageEditPlusPipeline": 128}
 
 
 def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_is_unet: bool) -> Geometry:
@@ -49,9 +51,11 @@ def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_
     vae = vae or {}
     vae_scale = 2 ** (len(vae["block_out_channels"]) - 1) if vae.get("block_out_channels") else 1
     channels = int(vae.get("latent_channels") or denoiser.get("in_channels", 4))
+    if "temperal_downsample" in vae:  # Qwen-Image's video VAE: one halving per entry, z_dim channels
+        vae_scale, channels = 2 ** len(vae["temperal_downsample"]), int(vae["z_dim"])
     if denoiser_is_unet:  # UNet2DModel / UNet2DConditionModel: one halving per down block after the first
         latent_multiple = 2 ** (len(denoiser.get("block_out_channels", (0,))) - 1)
-    elif kind.startswith("Flux"):  # 2×2 packing of the latents into the transformer's tokens
+    elif kind.startswith(("Flux", "QwenImage")):  # 2×2 packing of the latents into the transformer's tokens
         latent_multiple = 2
     else:  # SD3: the patch size
         latent_multiple = int(denoiser.get("patch_size", 1))

@@ -8,7 +8,8 @@ tests all use this one structure.
 
 Two kinds of per-row input:
 
-* prompt rows (`hidden`, `pooled`): per prompt, shared through the embedding cache;
+* prompt rows (`hidden`, `pooled`): per prompt, shared through the embedding cache
+  (`hidden_mask` is derived per call from the rows' prompt lengths);
 * request inputs (`time_ids`, `guidance`, `timestep_cond`, `lora_index`, `lora_scale`):
   per request and branch, prepared at admission (the model's `request_inputs`, the input
   kinds' rows) and held by the slot; they never go through the embedding cache.
@@ -24,6 +25,11 @@ Which model takes which (a field a model does not take stays None):
 | guidance | | | | dev (embedded) | |
 | timestep_cond | LCM UNets | LCM UNets | | | |
 | lora_index, lora_scale | adapters | adapters | adapters | adapters | |
+
+Qwen-Image (`engine.models.qwen_image`) takes `hidden` (its Qwen2.5-VL encoder's last
+hidden state, each prompt at its own length) with `hidden_mask` where a call's prompts
+differ in length, and `guidance` if its transformer embeds it; Qwen-Image-Edit also
+`image_latents`, the edited image's latents, the same for both branches of a request.
 """
 from __future__ import annotations
 
@@ -44,6 +50,12 @@ class ModelInputs:
     timestep_cond: torch.Tensor | None = None  # rows × time_cond_proj_dim: LCM's guidance embedding
     lora_index: torch.Tensor | None = None  # rows × K int32: adapter slots in the pool, -1 none
     lora_scale: torch.Tensor | None = None  # rows × K float32: each adapter's scale
+    # rows × sequence bool: a call whose rows' prompts differ in length (Qwen-Image) pads
+    # `hidden` with zeros to its longest and marks each row's real tokens; None otherwise
+    hidden_mask: torch.Tensor | None = None
+    # rows × C × h' × w': Qwen-Image-Edit's input image latents, appended to each row's image
+    # tokens (a request input: the image kind prepares it at admission)
+    image_latents: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """The fields that are present, by name, in declaration order (a graph's buffers)."""

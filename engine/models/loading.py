@@ -81,6 +81,10 @@ class VaeDecoder:
     def from_folder(cls, path: pathlib.Path, device: str | torch.device = "cpu") -> "VaeDecoder":
         from diffusers import AutoencoderKL
 
+        from engine.models.qwen_image import QwenImageVaeDecoder, is_qwen_image_vae
+
+        if is_qwen_image_vae(path):  # a one-frame video VAE, decoded as its pipeline decodes
+            return QwenImageVaeDecoder.from_folder(path, device)
         vae = AutoencoderKL.from_pretrained(pathlib.Path(path) / "vae", low_cpu_mem_usage=False)
         device = torch.device(device)
         return cls(vae.to(device).eval().requires_grad_(False), device)
@@ -430,12 +434,28 @@ class _Latents:
     latents: torch.Tensor
 
 
+def prompt_rows(rows: Sequence[Conditioning], multiple: int = 1) -> dict[str, torch.Tensor | None]:
+    """One call's `hidden`, `pooled` and `hidden_mask` from its rows' prompt rows, stacked.
+    Prompts of different lengths (Qwen-Image's) are padded with zeros to the call's
+    longest, rounded up to `multiple` (a few text lengths, so a few CUDA graphs), with a
+    mask of each row's real tokens, as a pipeline pads a batch of prompts; rows all of one
+    length that needs no rounding stack as they are, without a mask. The lengths are the
+    rows' shapes, known on the host: no device read."""
+    lengths = [int(c.hidden.shape[0]) if c.hidden.dim() >= 2 else 0 for c in rows]
+    pooled = None if rows[0].pooled is None else torch.stack([c.pooled for c in rows])
+    longest = -(-max(lengths) // multiple) * multiple
+    if all(n == longest for n in lengths):
+        return {"hidden": torch.stack([c.hidden for c in rows]), "pooled": pooled, "hidden_mask": None}
+    hidden = torch.stack([torch.nn.functional.pad(c.hidden, (0, 0, 0, longest - n)) for c, n in zip(rows, lengths)])
+    mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    return {"hidden": hidden, "pooled": pooled, "hidden_mask": to_device(mask, hidden.device)}
+
+
 def model_inputs(x: torch.Tensor, t: torch.Tensor, rows: Sequence[Conditioning],
                  **request_inputs: torch.Tensor) -> ModelInputs:
     """A `ModelInputs` from per-row prompt rows: their hidden (and pooled) rows stacked."""
     t = t.reshape(1).expand(x.shape[0]) if t.dim() == 0 else t
-    pooled = None if rows[0].pooled is None else torch.stack([c.pooled for c in rows])
-    return ModelInputs(x, t, torch.stack([c.hidden for c in rows]), pooled, **request_inputs)
+    return ModelInputs(x, t, **prompt_rows(rows), **request_inputs)
 
 
 class ClassConditionalModel(DiffusionModel):
@@ -595,6 +615,11 @@ _PIPELINES = {
     # in their own modules, which subclass the classes above: imported on first use
     "StableDiffusionXLPipeline": "engine.models.sdxl:StableDiffusionXLModel",
     "FluxPipeline": "engine.models.flux:FluxModel",
+    "QwenImagePipeline": "engine.models.qwen_image:QwenImageModel",
+    "QwenImageImg2ImgPipeline": "engine.models.qwen_image:QwenImageModel",
+    "QwenImageInpaintPipeline": "engine.models.qwen_image:QwenImageModel",
+    "QwenImageEditPipeline": "engine.models.qwen_image:QwenImageEditModel",
+    "QwenImageEditPlusPipeline": "engine.models.qwen_image:QwenImageEditPlusModel",
 }
 
 

@@ -36,15 +36,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 _B2U = _bytes_to_unicode()
 
 
-def _symbols(word: str) -> list[str]:
-    """The initial BPE symbols of a pre-tokenized word (byte-level, last with </w>)."""
+def _symbols(word: str, end_of_word: str = EOW) -> list[str]:
+    """The initial BPE symbols of a pre-tokenized word (byte-level, the last with CLIP's
+    </w>; GPT-2-style byte-level BPE, as Qwen2's, has no end-of-word suffix: "")."""
     chars = [_B2U[b] for b in word.encode("utf-8")]
-    return chars[:-1] + [chars[-1] + EOW]
+    return chars[:-1] + [chars[-1] + end_of_word]
 
 
-def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+def _bpe(word: str, ranks: dict[tuple[str, str], int], end_of_word: str = EOW) -> list[str]:
     """Apply BPE merges as CLIP (and `tokenizers`' BPE model) does: lowest rank first."""
-    parts = _symbols(word)
+    parts = _symbols(word, end_of_word)
     while len(parts) > 1:
         best = min(range(len(parts) - 1),
                    key=lambda i: ranks.get((parts[i], parts[i + 1]), float("inf")))
@@ -63,9 +64,9 @@ def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     return parts
 
 
-def _chain(word: str) -> list[tuple[str, str]]:
+def _chain(word: str, end_of_word: str = EOW) -> list[tuple[str, str]]:
     """Merges that build `word` left to right: ('r','e'), ('re','d</w>')."""
-    syms = _symbols(word)
+    syms = _symbols(word, end_of_word)
     out, acc = [], syms[0]
     for s in syms[1:]:
         out.append((acc, s))
@@ -73,7 +74,7 @@ def _chain(word: str) -> list[tuple[str, str]]:
     return out
 
 
-def _order_merges(words: Sequence[str]) -> list[tuple[str, str]]:
+def _order_merges(words: Sequence[str], end_of_word: str = EOW) -> list[tuple[str, str]]:
     """Merge list in which each word BPE-encodes to one symbol.
 
     Words are chained left to right; a word whose chain is broken by another
@@ -85,12 +86,12 @@ def _order_merges(words: Sequence[str]) -> list[tuple[str, str]]:
         merges: list[tuple[str, str]] = []
         seen = set()
         for w in order:
-            for m in _chain(w):
+            for m in _chain(w, end_of_word):
                 if m not in seen:
                     seen.add(m)
                     merges.append(m)
         ranks = {m: i for i, m in enumerate(merges)}
-        bad = [w for w in order if len(_bpe(w, ranks)) != 1]
+        bad = [w for w in order if len(_bpe(w, ranks, end_of_word)) != 1]
         if not bad:
             return merges
         order.remove(bad[-1])
@@ -209,4 +210,44 @@ def write_t5_tokenizer(folder, words, *, model_max_length=32):
     return tok
 
 
-__all__ = ["write_clip_tokenizer", "write_t5_tokenizer"]
+#: Qwen2's special tokens: the chat template's turn markers, the padding / end of text
+#: token, and Qwen2.5-VL's vision markers (the processor's image placeholder).
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>")
+
+
+def write_qwen2_tokenizer(folder, words, *, model_max_length: int = 2048):
+    """Write a tiny Qwen2 byte-level BPE tokenizer (`Qwen2Tokenizer`, transformers' own
+    class and pre-tokenizer) to `folder` and return it.
+
+    `vocab.json` holds the 256 byte-level characters, then the merged tokens, so that
+    every word of `words` is exactly one token both at the start of a text and after a
+    space (`word` and `Ġword`, as GPT-2-style vocabularies hold both), then the special
+    tokens `QWEN_SPECIAL`. Any other text still tokenizes, byte by byte. Words keep their
+    case (Qwen2 does not lowercase) and must be one pre-token each: a run of letters.
+    """
+    from transformers import Qwen2Tokenizer
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = _normalize_words(words, lower=False)
+    pieces = [p for w in words for p in (w, " " + w)]
+    merges = _order_merges(pieces, end_of_word="")
+    vocab: dict[str, int] = {}
+    for tok in _B2U.values():
+        vocab.setdefault(tok, len(vocab))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    for tok in QWEN_SPECIAL:
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[tuple(m) for m in merges], model_max_length=model_max_length,
+                         additional_special_tokens=list(QWEN_SPECIAL[1:]))
+    tok.save_pretrained(str(folder))
+    tok = Qwen2Tokenizer.from_pretrained(str(folder))
+    bad = {p: tok.tokenize(p) for p in pieces if len(tok.tokenize(p)) != 1}
+    if bad:
+        raise ValueError(f"Qwen2 tokenizer splits vocabulary words: {bad}")
+    return tok
+
+
+__all__ = ["write_clip_tokenizer", "write_t5_tokenizer", "write_qwen2_tokenizer"]

@@ -13,7 +13,9 @@ encoder runs once per image size over all of them, and each request then, from i
 generator and in the pipeline's order, samples its image latents from `latent_dist`,
 draws its initial noise (and, inpainting, the masked image's sample the pipeline
 draws), and gets its first latents: the image latents noised to its first timestep
-(`add_noise` coefficients from its schedule). Inpainting slots also keep the image's
+(`add_noise` coefficients from its schedule). An edit model's requests (Qwen-Image-Edit:
+`conditions_on_image`) instead keep the image's latents as a request input of both rows
+and start from their noise. Inpainting slots also keep the image's
 latents, the noise and the mask (`KnownRegion`, held by `KnownRegionState`), and the
 known region is blended back after every update (`engine.core.kernels.blend_known_region`).
 """
@@ -127,6 +129,11 @@ class ImageKind(InputKind):
         if image.mode != "RGB":  # alpha or palette: the pipelines take RGB (four channels would read as latents)
             image = image.convert("RGB")
         field = "image" if mask is None else "mask"
+        if getattr(model, "conditions_on_image", False):  # an edit model: the image conditions every step
+            if strength is not None:
+                raise RequestRejected(f"{model.pipeline_class} takes no strength: it edits the image from noise",
+                                      "strength")
+            strength = 1.0
         strength = model.default_strength(field) if strength is None else float(strength)
         input_bytes = memoryview(p.image).nbytes + (0 if p.mask is None else memoryview(p.mask).nbytes)
         return ImageInputs(image, mask, strength, input_bytes)
@@ -153,7 +160,18 @@ class ImageKind(InputKind):
 
     def start_step(self, images: ImageInputs, steps: int, height: int, width: int) -> int:
         """Fix the output size; the pipeline's `t_start` (steps of the full schedule
-        skipped). Rejects a strength that leaves no step."""
+        skipped). Rejects a strength that leaves no step. An edit model's requests run the
+        whole schedule at the image's own size (their image latents are then of one shape
+        per output size, so requests of one size share calls)."""
+        model = self.model
+        if getattr(model, "conditions_on_image", False):
+            expected = model.image_size(images.image, None, None)
+            if (height, width) != tuple(expected):
+                raise RequestRejected(f"{model.pipeline_class} serves the image's own size at its target area: "
+                                      f"{expected[1]}×{expected[0]} for this image", "height" if height != expected[0]
+                                      else "width")
+            images.height, images.width = height, width
+            return None
         start = self.model.start_step(steps, images.strength)
         if start >= steps:
             raise RequestRejected(f"{steps} steps at strength {images.strength:g} leave no step to run "
@@ -316,6 +334,10 @@ def _encode(model, requests: list, pixels: dict, failed: dict) -> dict:
 def _start(model, request, moments) -> None:
     """One request's draws, in the pipeline's order, and its first latents."""
     images, trajectory = request.inputs["image"], request.trajectory
+    if getattr(model, "conditions_on_image", False):  # an edit: the image's latents ride both rows; no draw
+        latents = model.edit_image_latents(moments)
+        request.request_inputs["image_latents"] = latents.expand(2, *latents.shape[1:])
+        return
     schedule, generator = trajectory.schedule, trajectory.generator
     # this runs on the busy loop: no copy here may wait for the steps queued on the device
     # (the noise and mask stay host tensors that the slot storage stages; the image latents
