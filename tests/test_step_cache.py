@@ -383,3 +383,62 @@ def test_the_device_checks_fail_when_the_cache_saves_nothing():
     assert not judge_skip_goodput(1.05, 0.5)[0]
     assert not judge_skip_goodput(1.0, 0.0)[0]  # nothing skipped: nothing shown
     assert judge_decision_overhead(1.05, 1.0) and not judge_decision_overhead(2.0, 1.0)
+
+
+# --- Qwen-Image: prompt rows of per-row lengths ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from engine.testing.tiny_qwen_image import build_qwen_image
+
+    return build_qwen_image(tmp_path_factory.mktemp("qwen-cache") / "qwen", seed=1, layers=3)
+
+
+def qwen_params(**fields) -> GenerateParams:
+    return GenerateParams(**{"output": "latent", "height": 32, "width": 32, "steps": 8, **fields})
+
+
+def qwen_oracle(folder, p: GenerateParams):
+    from test_qwen_image import pipeline_output
+
+    return cached_pipeline_output(folder, p, run=lambda: pipeline_output(folder, p))
+
+
+@pytest.mark.timeout(600)
+def test_qwen_image_requests_of_different_prompt_lengths_cache_as_alone(qwen, patterns):
+    """Prompts of different lengths padded per call: each request's cache state keeps its
+    text part at its own length, as its pipeline call alone; alone ≤ 1e-5, shared ≤ 1e-4."""
+    from engine.core import CoreConfig, EngineCore
+
+    model = model_of(qwen)
+    fbc, mag = StepCache("first_block", threshold=0.6), StepCache("mag", threshold=0.5, mag_ratios=MAG_RATIOS)
+    taylor = StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1)
+    cases = {
+        "fbc-short": qwen_params(prompt="a red circle", seed=1, cache=fbc),
+        "fbc-long-cfg": qwen_params(prompt="the small green dog and a big blue cat", negative_prompt="blurry",
+                                    true_cfg=3.0, seed=2, cache=fbc),
+        "taylor-long": qwen_params(prompt="a photo of a yellow cross on the small green dog", seed=3, cache=taylor),
+        "mag-mid": qwen_params(prompt="a big blue cat", seed=4, steps=6, cache=mag),
+        "plain": qwen_params(prompt="a red circle and a big blue cat", seed=5),
+    }
+    alone = EngineCore(model, CoreConfig(slots=2))
+    d = run_and_release(alone, {"fbc-long-cfg": cases["fbc-long-cfg"]})
+    want, pattern = qwen_oracle(qwen, cases["fbc-long-cfg"])
+    assert patterns()["fbc-long-cfg"] == oracle_pattern(model, cases["fbc-long-cfg"], pattern)
+    assert rel_l2(d.results["fbc-long-cfg"], want) <= ALONE_TOL
+    shared = EngineCore(model, CoreConfig(slots=4))
+    d = run_and_release(shared, cases, arrivals={2: [("late", qwen_params(prompt="a blue cross", seed=6,
+                                                                                  cache=taylor))]})
+    found = patterns()
+    assert shared.runner.cache_rows_skipped > 0
+    for rid, p in {**cases, "late": qwen_params(prompt="a blue cross", seed=6, cache=taylor)}.items():
+        if p.cache is None:
+            from test_qwen_image import pipeline_output
+
+            want = pipeline_output(qwen, p)
+        else:
+            want, pattern = qwen_oracle(qwen, p)
+            assert found[rid] == oracle_pattern(model, p, pattern), rid
+            assert "S" in found[rid], rid
+        err = rel_l2(d.results[rid], want)
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"

@@ -301,7 +301,10 @@ class Runner:
                 continue
             for unit, branches in zip(value.units, value.branches):
                 if not unit.off:
-                    units.append(UnitCall([rows[b] for b in branches], unit, unit.mode(), slot=slot))
+                    texts = [group.conditioning[slot, b].hidden for b in branches]
+                    length = max(t.shape[0] for t in texts) if texts[0].dim() >= 2 else None
+                    units.append(UnitCall([rows[b] for b in branches], unit, unit.mode(), slot=slot,
+                                          text_length=length))
         return CacheCall(len(batch.row_slot), units) if units else None
 
     @staticmethod

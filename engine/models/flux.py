@@ -66,10 +66,13 @@ class FluxModel(_PipelineModel):
 
     @functools.cached_property
     def mag_ratios(self) -> tuple[float, ...] | None:
-        """The folder's calibrated ratios, else diffusers' FLUX.1 ratios (`FLUX_MAG_RATIOS`)."""
+        """The folder's calibrated ratios, else (a FLUX.1 folder) diffusers' `FLUX_MAG_RATIOS`."""
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
-        return super().mag_ratios or tuple(FLUX_MAG_RATIOS.tolist())
+        own = super().mag_ratios
+        if own is not None or self.pipeline_class != "FluxPipeline":
+            return own
+        return tuple(FLUX_MAG_RATIOS.tolist())
 
     def image_tokens(self, latent_shape) -> int:
         _, h, w = latent_shape

@@ -287,7 +287,11 @@ class DiffusionModel:
         """The most bytes one row's cache state of `settings` holds (what admission reserves)."""
         config = self.denoiser.config
         width = int(config.num_attention_heads) * int(config.attention_head_dim)
-        image, text = self.image_tokens(latent_shape), int(self.conditioning_layout[0][0])
+        text = self.conditioning_layout[0][0]
+        if text is None:  # prompt rows of a variable length: the longest admission reserves
+            text_width, dtype = self.conditioning_layout[0][1], getattr(torch, self.conditioning_layout[2].split(".")[-1])
+            text = self.conditioning_nbytes // (text_width * torch.empty((), dtype=dtype).element_size())
+        image = self.image_tokens(latent_shape)
         item = torch.empty((), dtype=self.dtype).element_size()
         if settings.kind == "first_block":
             return (2 * image + text) * width * item

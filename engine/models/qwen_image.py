@@ -114,11 +114,6 @@ class QwenImageModel(FluxModel):
             return "sampler", f"{self.pipeline_class} runs {' or '.join(FLUX_SAMPLERS)}, not {params.sampler!r}"
         return DiffusionModel.check_params(self, params)
 
-    def step_cache_support(self) -> str | None:
-        """Per-request step caches are not served on Qwen-Image yet: its prompt rows differ
-        in length per row, which a cache state sized by one text length does not hold."""
-        return f"{self.pipeline_class}: step caches are not served yet (prompt rows of per-row lengths)"
-
     # ---- prompts: each at its own length -----------------------------------------------
 
     @torch.no_grad()
@@ -236,6 +231,10 @@ class QwenImageEditModel(QwenImageModel):
 
     pipeline_class = "QwenImageEditPipeline"
     image_pipelines = {"image": "QwenImageEditPipeline"}
+
+    def image_tokens(self, latent_shape) -> int:
+        """The output's tokens and, appended to them, the image's (of the output's size)."""
+        return 2 * super().image_tokens(latent_shape)
     #: the image kind conditions every step on the image (no strength, from noise)
     conditions_on_image = True
     #: the preparation phase encodes each prompt with its request's image

@@ -31,7 +31,7 @@ from diffusers.hooks.hooks import ModelHook
 
 #: the call arguments that carry one leading row per batch row (everything else, such as
 #: FLUX's rotary embedding, is shared by all rows)
-ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb")
+ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask", "modulate_index")
 #: the attention modules TaylorSeer predicts by default (diffusers' own patterns)
 ATTENTION_PATTERNS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
 
@@ -136,6 +136,9 @@ class UnitCall:
     mode: str  # first_block | mag_skip | mag_compute | taylor_compute | taylor_predict
     hit: bool = False
     slot: int = -1  # the slot whose request it belongs to
+    # its prompt's own text length: a call pads its rows' texts to the longest (Qwen-Image),
+    # and the state keeps the text part at the unit's own length, as its pipeline call alone
+    text_length: int | None = None
 
 
 class CacheCall:
@@ -242,13 +245,25 @@ class RowCache:
         call.decided()
 
 
-def _rows_of(kwargs: dict, index: torch.Tensor) -> dict:
+def _rows_of(kwargs: dict, index: torch.Tensor, rows: int, names=ROW_ARGUMENTS) -> dict:
+    """`kwargs` with its per-row arguments (a leading dimension of `rows`) at `index`'s rows."""
     out = dict(kwargs)
-    for name in ROW_ARGUMENTS:
+    for name in names:
         value = out.get(name)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
             out[name] = value.index_select(0, index)
     return out
+
+
+def _fit_text(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """A text-stream tensor (rows × tokens × width) cut or zero-padded to `length` tokens:
+    the tokens past a row's own text are padding, which the attention masks and nothing reads."""
+    have = tensor.shape[1]
+    if have == length:
+        return tensor
+    if have > length:
+        return tensor[:, :length]
+    return torch.nn.functional.pad(tensor, (0, 0, 0, length - have))
 
 
 def _split(output, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -301,14 +316,12 @@ class _BlockHook(ModelHook):
         return self._tail(call, original, kwargs)
 
     def _gathered(self, call: CacheCall, kwargs: dict) -> dict:
-        """The block's row arguments for the rows it runs on (the hidden states already are)."""
+        """The block's per-row arguments for the rows it runs on (the hidden states, outputs of
+        the block before, already are)."""
         if len(call.tail) == call.rows:
             return kwargs
-        out = dict(kwargs)
-        temb = out.get("temb")
-        if isinstance(temb, torch.Tensor) and temb.shape[0] == call.rows:
-            out["temb"] = temb.index_select(0, call.tail_index)
-        return out
+        names = [n for n in ROW_ARGUMENTS if n not in ("hidden_states", "encoder_hidden_states")]
+        return _rows_of(kwargs, call.tail_index, call.rows, names)
 
     def _head(self, call: CacheCall, original, kwargs: dict):
         hidden = kwargs["hidden_states"]
@@ -323,7 +336,7 @@ class _BlockHook(ModelHook):
             head_kwargs = kwargs
         else:
             index = _index(call.head_rows, device)
-            head_kwargs = _rows_of(kwargs, index)
+            head_kwargs = _rows_of(kwargs, index, call.rows)
             call.rebind(index)
         output = original(**head_kwargs) if call.head_rows else None
         if output is not None:
@@ -407,13 +420,15 @@ class _BlockHook(ModelHook):
         if unit.hit:
             hidden.index_copy_(0, index, state.tail_hidden + here_hidden)
             if encoder is not None:
-                encoder.index_copy_(0, index, state.tail_encoder + here_encoder)
+                encoder.index_copy_(0, index, _fit_text(state.tail_encoder, here_encoder.shape[1]) + here_encoder)
             return
         at_tail = _index(_positions(call.tail, unit.rows), device)
         state.head_residual = call.fbc_residual.index_select(0, at_head)
         state.tail_hidden = out_hidden.index_select(0, at_tail) - here_hidden
-        state.tail_encoder = None if out_encoder is None or here_encoder is None else \
-            out_encoder.index_select(0, at_tail) - here_encoder
+        state.tail_encoder = None
+        if out_encoder is not None and here_encoder is not None:
+            residual = out_encoder.index_select(0, at_tail) - here_encoder
+            state.tail_encoder = residual if unit.text_length is None else _fit_text(residual, unit.text_length)
 
 
 def kwargs_passthrough(kwargs: dict, meta):
@@ -456,26 +471,35 @@ class _AttentionHook(ModelHook):
             output = None
             if run_rows:
                 index = _index(_positions(call.current, run_rows), device)
-                sub = {k: (v.index_select(0, index) if k in ("hidden_states", "encoder_hidden_states")
-                           and isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+                sub = _rows_of(kwargs, index, len(call.current))
                 call.rebind(_index(run_rows, device))
                 output = original(**sub)
                 call.rebind(None if len(call.current) == call.rows else _index(call.current, device))
                 outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
             run_positions = run_rows
+        # a joint attention returns (image, text): the text part is kept at the unit's own length
+        text_output = 1 if kwargs.get("encoder_hidden_states") is not None and len(outputs or ()) == 2 else None
         for unit in computing:
             state = self._state(unit)
             where = _positions(call.current if run_positions is None else run_rows, unit.rows)
             index = _index(where, device)
             state.current_step = unit.state.calls
-            state.update(tuple(o.index_select(0, index) for o in outputs))
+            mine = [o.index_select(0, index) for o in outputs]
+            if text_output is not None and unit.text_length is not None:
+                mine[text_output] = _fit_text(mine[text_output], unit.text_length)
+            state.update(tuple(mine))
         if not predicting:
             return output
         predictions = []
+        text_now = kwargs["encoder_hidden_states"].shape[1] if kwargs.get("encoder_hidden_states") is not None \
+            else None
         for unit in predicting:
             state = self._state(unit)
             state.current_step = unit.state.calls
-            predictions.append((unit, state.predict()))
+            predicted = state.predict()
+            if text_now is not None and len(predicted) == 2:
+                predicted[1] = _fit_text(predicted[1], text_now)
+            predictions.append((unit, predicted))
         template = outputs if outputs is not None else predictions[0][1]
         full = [torch.empty((len(call.current), *t.shape[1:]), dtype=t.dtype, device=device) for t in template]
         if run_rows:

@@ -2,9 +2,9 @@
 request alone (`apply_first_block_cache`, `apply_mag_cache`, `apply_taylorseer_cache`
 with their configs), and the pattern of transformer calls it skipped.
 
-FLUX's pipeline wraps each transformer call in a cache context ("cond", and "uncond" for
-true CFG), which the hooks need; a pipeline that does not (SD3 in diffusers 0.42) gets its
-transformer calls wrapped in one context as FLUX's pipeline does. The hooks are removed
+FLUX's and Qwen-Image's pipelines wrap each transformer call in a cache context ("cond",
+and "uncond" for true CFG), which the hooks need; a pipeline that does not (SD3 in diffusers
+0.42) gets its transformer calls wrapped in one context as FLUX's pipeline does. The hooks are removed
 afterwards, so the shared pipeline object serves other oracles as before."""
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def hooked(transformer, config, pattern: list):
     handles = [transformer.register_forward_pre_hook(lambda module, args: pattern.append(True)),
                probe.register_forward_hook(lambda module, args, out: pattern.__setitem__(-1, False))]
     forward = transformer.forward
-    pipeline_sets_context = type(transformer).__name__.startswith("Flux")
+    # the pipelines that do not wrap their transformer calls in cache contexts (diffusers 0.42)
+    pipeline_sets_context = not type(transformer).__name__.startswith("SD3")
     if not pipeline_sets_context:
         def in_context(*args, **kwargs):
             with transformer.cache_context("cond"):
@@ -91,10 +92,13 @@ def hooked(transformer, config, pattern: list):
             del last.forward
 
 
-def cached_pipeline_output(folder, params, model_ratios=None, lora_dir=None):
+def cached_pipeline_output(folder, params, model_ratios=None, lora_dir=None, run=None):
     """(latents C×h×w, skipped per transformer call) of the pipeline with `params.cache`
-    (and, with `lora_dir`, with its adapters as diffusers loads them)."""
-    if lora_dir is not None:
+    (and, with `lora_dir`, with its adapters as diffusers loads them; with `run`, that call
+    of the folder's shared pipeline object instead of `pipeline_output_of`)."""
+    if run is not None:
+        pipe = load_pipeline(str(folder))
+    elif lora_dir is not None:
         from engine.testing.loras import lora_pipeline, lora_pipeline_output
 
         pipe = lora_pipeline(str(folder), str(lora_dir))

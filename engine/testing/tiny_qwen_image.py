@@ -62,7 +62,8 @@ def qwen2_5_vl_config(vocab_size: int, hidden: int = 16, special: dict | None = 
         hidden_size=hidden, vocab_size=vocab_size, **special)
 
 
-def build_qwen_image(folder, *, seed: int = 0, words=WORDS, guidance_embeds: bool = False) -> pathlib.Path:
+def build_qwen_image(folder, *, seed: int = 0, words=WORDS, guidance_embeds: bool = False,
+                     layers: int = 2) -> pathlib.Path:
     """Write a tiny `QwenImagePipeline` folder (see the module docstring) and return its path."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
@@ -83,7 +84,7 @@ def build_qwen_image(folder, *, seed: int = 0, words=WORDS, guidance_embeds: boo
         qwen2_5_vl_config(len(tokenizer), special=special, text_ids=text_ids)).eval()
     torch.manual_seed(seed + 1)
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16, num_attention_heads=3,
         joint_attention_dim=16, guidance_embeds=guidance_embeds, axes_dims_rope=(8, 4, 4)).eval()
     torch.manual_seed(seed + 2)
     z_dim = 4
