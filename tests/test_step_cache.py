@@ -10,7 +10,6 @@ import random
 import re
 
 import pytest
-import torch
 
 from engine.core.outputs import RequestRejected
 from engine.protocol import GenerateParams, StepCache

@@ -181,20 +181,27 @@ def _positions(current: list[int], rows: list[int]) -> list[int]:
 
 # ---- the hooks -------------------------------------------------------------------------------
 
+def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's blocks in call order, as diffusers' cache hooks find them."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [block for name, child in transformer.named_children()
+            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+            for block in child]
+
+
 class RowCache:
     """Per-row step caching on one transformer: hooks on its blocks (first, middle, last)
     and its attention modules, pass-through unless a `CacheCall` is bound."""
 
     def __init__(self, transformer: torch.nn.Module):
-        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
+        why = self.supports(transformer)
+        if why:
+            raise ValueError(why)
         self.transformer = transformer
-        blocks = [block for name, child in transformer.named_children()
-                  if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-                  for block in child]
-        if len(blocks) < 2:
-            raise ValueError("step caching needs a transformer of at least two blocks")
+        blocks = transformer_blocks(transformer)
         self.metadata = [TransformerBlockRegistry.get(type(block)) for block in blocks]
         self.call: CacheCall | None = None
         self._install(blocks)
@@ -202,19 +209,18 @@ class RowCache:
     @staticmethod
     def supports(transformer) -> str | None:
         """Why this denoiser cannot cache per request, or None."""
-        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
-        blocks = [block for name, child in transformer.named_children()
-                  if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-                  for block in child]
+        blocks = transformer_blocks(transformer)
         if len(blocks) < 2:
             return f"{type(transformer).__name__} has {len(blocks)} transformer block(s); step caching needs two"
-        try:
-            for block in blocks:
+        for block in blocks:
+            try:
                 TransformerBlockRegistry.get(type(block))
-        except ValueError:
-            return f"diffusers' cache hooks do not know {type(blocks[0]).__name__}"
+            except ValueError:
+                return f"diffusers' cache hooks do not know {type(block).__name__}"
+        if getattr(transformer.config, "zero_cond_t", False):  # two timestep rows per batch row
+            return f"{type(transformer).__name__} with zero_cond_t: step caches are not served"
         return None
 
     def _install(self, blocks) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 
 from engine.core.input_kinds.step_cache import resolve
+from engine.models.step_cache import transformer_blocks
 from engine.testing.pipeline_oracle import load_pipeline, pipeline_output_of
 
 HOOK_NAMES = ("fbc_leader_block_hook", "fbc_block_hook", "mag_cache_leader_block_hook", "mag_cache_block_hook",
@@ -41,11 +41,8 @@ def hooked(transformer, config, pattern: list):
     transformer call: True where the call skipped its cached part."""
     from diffusers.hooks import (FirstBlockCacheConfig, HookRegistry, MagCacheConfig, apply_first_block_cache,
                                  apply_mag_cache, apply_taylorseer_cache)
-    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 
-    blocks = [b for name, child in transformer.named_children()
-              if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList) for b in child]
-    last = blocks[-1]
+    last = transformer_blocks(transformer)[-1]
     if getattr(last, "context_pre_only", False):
         # SD3's last block returns no text stream, and FBC's tail hook subtracts it (a
         # TypeError in diffusers 0.42): hand the hook the block's text input instead, which
@@ -65,7 +62,7 @@ def hooked(transformer, config, pattern: list):
     # the root registry caches its children's registries on first use: new hooks must be seen
     HookRegistry.check_if_exists_or_initialize(transformer)._child_registries_cache = None
     if isinstance(config, (FirstBlockCacheConfig, MagCacheConfig)):
-        probe = list(blocks[-1].modules())[-1]  # runs only when the last block computes
+        probe = list(last.modules())[-1]  # runs only when the last block computes
     else:
         probe = next(m for name, m in transformer.named_modules() if name.endswith("attn")).to_q
     handles = [transformer.register_forward_pre_hook(lambda module, args: pattern.append(True)),
