@@ -191,6 +191,38 @@ class SlotWeights:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.A + self.B if t is not None)
 
+    @property
+    def uses_stack(self) -> bool:
+        """Whether calls through this layer build the padded reference stack: every layer
+        on the reference path (CPU), and k×k convs on CUDA (the kernel reads the factors
+        where they are)."""
+        return not (self.is_pointwise and self.device.type == "cuda" and triton is not None)
+
+    def footprint(self, ranks: dict[int, int]) -> int:
+        """Bytes this layer holds with adapters of these ranks (by slot) resident: their
+        factors and, where the layer uses one, the padded reference stack as
+        `reference_stack` builds it (the device tables aside: `table_bytes`)."""
+        if not ranks:
+            return 0
+        element = torch.empty((), dtype=self.dtype).element_size()
+        width = self.in_features * self.kernel_size[0] * self.kernel_size[1] + self.out_features
+        total = sum(ranks.values()) * width * element
+        if self.uses_stack:
+            slots = max(ranks) + 2  # up to the highest slot, then the zero row
+            total += slots * max(ranks.values()) * width * element + slots * 4  # Aᵀ and Bᵀ stacks, scalings
+        return total
+
+    @property
+    def table_bytes(self) -> int:
+        """The device tables' bytes (made once, whatever is resident)."""
+        return 0 if self._tables is None else sum(t.numel() * t.element_size() for t in self._tables)
+
+    @property
+    def held_bytes(self) -> int:
+        """What this layer's adapters really hold now: factors, the stack if built, tables."""
+        stack = 0 if self._stack is None else sum(t.numel() * t.element_size() for t in self._stack)
+        return self.nbytes + stack + self.table_bytes
+
 
 @dataclasses.dataclass
 class AdapterGroup:
