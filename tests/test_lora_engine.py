@@ -327,3 +327,25 @@ def test_resident_bytes_count_what_the_pool_allocates(own_pool, setup):
         held, counted = pool.held_bytes(), pool.stats()["resident_bytes"]
         assert held == counted <= budget, (loras, held, counted, budget)
     assert pool.stats()["evictions"] >= 1
+
+
+def test_graphs_captured_before_serving_cover_calls_with_and_without_adapters(setup):
+    """With an adapter pool, every bucket of the native size is captured before serving
+    both with the adapter rows and without them (calls none of whose rows has an adapter
+    leave them out), so native requests of either kind capture nothing mid-serving (a
+    capture synchronises the device)."""
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+
+    folder, lora_dir, model, pool = setup
+    core = EngineCore(model, CoreConfig(slots=2, layout="bucketed"), adapters=pool)
+    capture = EagerCapture()
+    core.graphed = GraphedDenoiser(model, capture, lambda: pool.layout_version)
+    core.capture_graphs()
+    assert capture.captures == 2 * 3  # buckets of 1, 2 and 4 rows, each with and without adapter rows
+    replays = core.graphed.replays
+    native = model.geometry.native_size
+    done, _ = run(core, {"plain": p("a red circle", {}, 1, steps=3),
+                         "lora": GenerateParams(prompt="a blue cat", steps=3, sampler="ddim", guidance=3.0, seed=2,
+                                                output="latent", loras={"A": 1.0}, height=native, width=native)})
+    assert set(done) == {"plain", "lora"}
+    assert capture.captures == 6 and core.graphed.replays - replays == core.batches
