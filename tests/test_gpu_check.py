@@ -140,6 +140,7 @@ def test_lora_engine_waves_on_cpu_evict_move_the_layout_and_equal_themselves():
     first = serve_waves("cpu", waves=2)
     assert len(first["latents"]) == first["requests"] and not first["failed"]
     assert first["evictions"] >= 1 and first["peak"] <= first["budget"] and first["versions"] >= 2
+    assert first["uncounted"] <= 0
     again = serve_waves("cpu", waves=2)
     errors = {rid: float((again["latents"][rid] - first["latents"][rid]).norm() / first["latents"][rid].norm())
               for rid in first["latents"]}

@@ -31,6 +31,7 @@ def serve_waves(device: str, waves: int = 3, cuda_graphs: bool = True) -> dict:
     core = EngineCore(model, CoreConfig(slots=4, layout=layout, device=device, cuda_graphs=cuda_graphs), adapters=pool)
     graphs_at_start, replays_at_start = cuda_graph_counts(core)
     latents, failed, versions, peak = {}, {}, {pool.layout_version}, pool.resident_bytes
+    uncounted = 0  # the most the layers really held beyond the pool's count
     native = model.geometry.native_size
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -46,12 +47,14 @@ def serve_waves(device: str, waves: int = 3, cuda_graphs: bool = True) -> dict:
                         failed[o.request_id] = o.error
                 versions.add(pool.layout_version)
                 peak = max(peak, pool.resident_bytes)
+                uncounted = max(uncounted, pool.held_bytes() - pool.resident_bytes)
                 if time.perf_counter() - t0 > 240:
                     raise RuntimeError(f"{len(latents)} requests finished in 240 s")
     graphs, replays = cuda_graph_counts(core)
     stats = pool.stats()
     pool.uninstall()
     return dict(latents=latents, failed=failed, versions=len(versions), peak=peak, budget=pool.budget_bytes,
+                uncounted=uncounted,
                 evictions=stats["evictions"], loads=stats["loads"], graphs=graphs, replays=replays,
                 replays_at_start=replays_at_start, graphs_at_start=graphs_at_start, calls=core.batches,
                 graph_evictions=0 if core.graphed is None else core.graphed.evictions,
@@ -76,6 +79,8 @@ def run(args) -> None:
           f"{gpu['loads']} loads; budget for two adapters at once")
     check("lora_engine", case, "peak resident bytes / budget", gpu["peak"] / gpu["budget"],
           gpu["peak"] <= gpu["budget"], f"{gpu['peak']} of {gpu['budget']} bytes by the pool's count")
+    check("lora_engine", case, "bytes held beyond the pool's count", gpu["uncounted"], gpu["uncounted"] <= 0,
+          "factors, stacks and tables the layers really held, at every step")
     check("lora_engine", case, "layouts seen (LoCon loads and evictions)", gpu["versions"], gpu["versions"] >= 2,
           f"{gpu['graph_evictions']} graphs dropped at layout changes or the limit")
     verdict = judge.graph_replays(gpu["graphs"], gpu["replays"], gpu["replays_at_start"], gpu["calls"])
