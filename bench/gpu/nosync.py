@@ -3,7 +3,7 @@ under `torch.cuda.set_sync_debug_mode("error")` around every step(): a tiny SD m
 CUDA with an adapter pool, the bucketed layout with CUDA graphs (captured before serving,
 with and without adapter rows), and requests of every kind at the native size: plain,
 img2img, inpainting, one and two plain-LoRA adapters, one of them loaded by the pool's
-loader thread while the others run (LoCon is left out: loading it changes the graphs'
+loader thread while the others run, prompts encoded at admission (LoCon is left out: loading it changes the graphs'
 layout, and a recapture synchronises by design). Warm-up requests first compile the
 kernels. Any synchronising call inside a step raises, and the check fails naming it.
 (b) With the stream held by a long `_sleep`, `step()` returns in a fraction of the hold,
@@ -26,6 +26,9 @@ from .stream_hold import sleep_cycles_per_s
 from .tiny_lora import mixed_requests, model_with_pool
 
 
+FRESH_PROMPTS = ("a big yellow square", "the small blue triangle", "a photo of a green cross")
+
+
 def whole_life(device: str = "cuda", set_mode=None, synchronize=None) -> dict:
     """(a): warm-up requests, then the requests' whole lives with every step() through
     `judge.first_sync` (`set_mode`: `torch.cuda.set_sync_debug_mode`; a CPU test passes a
@@ -35,8 +38,11 @@ def whole_life(device: str = "cuda", set_mode=None, synchronize=None) -> dict:
     model, pool = model_with_pool(device, pairs=False)
     core = EngineCore(model, CoreConfig(slots=4, layout="bucketed", device=device, cuda_graphs=True), adapters=pool)
     native = model.geometry.native_size
-    kinds = [(rid, p) for rid, p in mixed_requests("life", native, seed=1) if "L" not in (p.loras or {})]
-    warm = [(rid.replace("life", "warm"), p) for rid, p in kinds if "B" not in (p.loras or {})]  # B loads later
+    # prompts of their own (encoded during the guarded lives, not served from the cache)
+    kinds = [(rid, p) for rid, p in mixed_requests("life", native, seed=1, prompts=FRESH_PROMPTS)
+             if "L" not in (p.loras or {})]
+    warm = [(rid, p) for rid, p in mixed_requests("warm", native, seed=2)
+            if "L" not in (p.loras or {}) and "B" not in (p.loras or {})]  # B is loaded during the lives
     ended, failed = set(), {}
 
     def step():

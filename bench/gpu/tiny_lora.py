@@ -78,7 +78,10 @@ def image_and_mask(seed: int, size: int) -> tuple[bytes, bytes]:
     return png_bytes(image), png_bytes(mask)
 
 
-def mixed_requests(tag: str, native: int, seed: int = 0) -> list:
+PROMPTS = ("a red circle", "a blue cat", "the small green dog")
+
+
+def mixed_requests(tag: str, native: int, seed: int = 0, prompts: tuple = PROMPTS) -> list:
     """(id, GenerateParams) of every kind the engine serves on this model: plain text,
     img2img and inpainting at the native size, each adapter alone, two adapters, LoCon."""
     from engine.protocol import GenerateParams
@@ -96,7 +99,7 @@ def mixed_requests(tag: str, native: int, seed: int = 0) -> list:
     ]
     out = []
     for k, (name, fields) in enumerate(kinds):
-        base = dict(prompt=["a red circle", "a blue cat", "the small green dog"][k % 3], negative_prompt="",
+        base = dict(prompt=prompts[k % len(prompts)], negative_prompt="",
                     steps=4 + k % 3, sampler=["ddim", "euler", "dpmpp_2m", "euler_ancestral"][k % 4],
                     guidance=3.0, seed=seed * 100 + k, output="latent")
         base.update(fields)
