@@ -236,11 +236,13 @@ def test_a_slow_adapter_load_never_stalls_a_plain_request(own_pool):
     assert pool.stats()["loads"] == 1 and pool.stats()["loading"] == 0
 
 
-def test_an_adapter_replaced_over_the_budget_fails_its_request_and_no_one_waits(own_pool):
+@pytest.mark.parametrize("change,why", [("larger", "never be resident"), ("corrupt", "cannot be read"),
+                                        ("removed", "unknown")])
+def test_an_adapter_replaced_over_the_budget_fails_its_request_and_no_one_waits(own_pool, change, why):
     """A queued request's adapter file is replaced by a larger one that no longer fits the
-    pool's budget: that request fails naming `loras`; every other request completes, those
-    without adapters never held back by it, even once it has been passed `bypass_limit`
-    times while it waited for adapter room."""
+    pool's budget (or by one that cannot be read, or removed): that request fails naming
+    `loras`; every other request completes, those without adapters never held back by it,
+    even once it has been passed `bypass_limit` times while it waited for adapter room."""
     import shutil
 
     model, own_dir, lora_dir, make = own_pool
@@ -260,14 +262,18 @@ def test_an_adapter_replaced_over_the_budget_fails_its_request_and_no_one_waits(
     for _ in range(3):
         driver.step()
     assert core.requests["x"].slot == -1 and core.requests["x"].bypassed >= 1  # waiting for room, passed
-    # the file replaced under load by a larger adapter (over the whole budget)
+    # the file replaced under load by a larger adapter (over the whole budget), or worse
     shutil.rmtree(own_dir / "X")
-    shutil.copytree(lora_dir / "A", own_dir / "X")
+    if change == "larger":
+        shutil.copytree(lora_dir / "A", own_dir / "X")
+    elif change == "corrupt":
+        (own_dir / "X").mkdir()
+        (own_dir / "X" / "pytorch_lora_weights.safetensors").write_bytes(b"\xff" * 100)
     driver.add({"late": p("a photo of a yellow cross", {}, 20, steps=2)})
     driver.run(limit=20000)
     assert set(driver.finished) == {"c", "c2", "late", *plain}
     assert set(driver.failed) == {"x"} and driver.failed["x"].startswith("loras:")
-    assert "never be resident" in driver.failed["x"] and str(own_dir) not in driver.failed["x"]
+    assert why in driver.failed["x"] and str(own_dir) not in driver.failed["x"], driver.failed["x"]
     assert all(a.refcount == 0 for a in pool._adapters.values())
 
 
