@@ -104,6 +104,13 @@ def test_a_sync_inside_a_step_is_caught_and_fails_the_check():
     assert fake.mode == 0
 
 
+def test_a_step_that_waits_out_a_held_stream_fails():
+    assert judge.held_step(0.004, 0.5).ok
+    assert not judge.held_step(0.49, 0.5).ok  # it waited for the device (a .cpu(), an .item())
+    assert not judge.held_step(0.004, 0.01).ok  # the hold never happened: nothing was shown
+    assert not judge.held_step(0.004, 0.5, ok=False).ok  # the step did not do what it was for (publish)
+
+
 def test_equal_within_needs_results():
     assert judge.equal_within({"a": 1e-6, "b": 2e-4}, 1e-3).ok
     assert not judge.equal_within({"a": 1e-6, "b": 2e-2}, 1e-3).ok

@@ -94,6 +94,19 @@ def reaper_hold(hold_s: float, step_s: float) -> Verdict:
                    f"= {need * 1e3:.0f} ms for the checks to look at a pending fence")
 
 
+#: with the stream held, a step() that synchronises nothing returns within this fraction of the hold
+HELD_STEP_FRACTION = 0.25
+MIN_MEASURED_HOLD_S = 0.1
+
+
+def held_step(host_s: float, held_s: float, ok: bool = True) -> Verdict:
+    """A step() run while the stream was held for `held_s` (CUDA events) came back long
+    before the hold ended: nothing in it waited for the device."""
+    passed = ok and held_s >= MIN_MEASURED_HOLD_S and host_s < HELD_STEP_FRACTION * held_s
+    return Verdict(passed, f"host {host_s * 1e3:.1f} ms, hold {held_s * 1e3:.0f} ms by events; "
+                           f"target < {HELD_STEP_FRACTION:g} of the hold")
+
+
 def first_sync(step: Callable[[], object], set_mode: Callable[[object], None]) -> str | None:
     """Run `step` with torch's sync debug mode at "error" (`set_mode`:
     `torch.cuda.set_sync_debug_mode`): the first line of the synchronising call's error,
