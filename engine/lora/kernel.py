@@ -132,11 +132,13 @@ class SlotWeights:
     def _changed(self, slot: int) -> None:
         self.max_rank = max(self.rank)
         self._stack = None
-        if self._tables is not None:  # keep the device tables in step (fills, no host sync)
+        if self._tables is not None:  # keep the device tables in step: fills, no host copy, no sync
+            # (an indexed assignment of a Python number goes through a host tensor and a copy)
             a, b, r, s = self._tables
-            a[slot] = 0 if self.A[slot] is None else self.A[slot].data_ptr()
-            b[slot] = 0 if self.B[slot] is None else self.B[slot].data_ptr()
-            r[slot], s[slot] = self.rank[slot], self.scaling[slot]
+            a[slot].fill_(0 if self.A[slot] is None else self.A[slot].data_ptr())
+            b[slot].fill_(0 if self.B[slot] is None else self.B[slot].data_ptr())
+            r[slot].fill_(self.rank[slot])
+            s[slot].fill_(self.scaling[slot])
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device tables of A and B addresses, ranks and scalings, by slot (built once,
