@@ -25,7 +25,13 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 PINS=$("$PY" - <<'PYEOF'
 import importlib.metadata as metadata
-import re
+
+from packaging.requirements import Requirement
+
+# the lent machine's environment, for the requirements' markers (extras: none)
+MACHINE = {"python_version": "3.12", "python_full_version": "3.12.0", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+           "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
 
 WANTED = ["diffusers", "msgspec", "pyzmq", "transformers", "tokenizers", "peft", "accelerate"]
 ON_THE_MACHINE = {"torch", "triton", "numpy", "pillow", "safetensors", "regex", "requests", "filelock", "urllib3",
@@ -41,10 +47,9 @@ while todo:
         requires = metadata.requires(name) or []
     except metadata.PackageNotFoundError:
         continue  # a need of another platform or Python (none of this checkout's)
-    for requirement in requires:
-        if "extra ==" in requirement:
-            continue
-        todo.append(re.split(r"[ ;<>=!~\[(]", requirement)[0])
+    for requirement in map(Requirement, requires):
+        if requirement.marker is None or requirement.marker.evaluate(MACHINE):
+            todo.append(requirement.name)
 print(" ".join(f"{name}=={version}" for name, version in sorted(seen.items())))
 PYEOF
 )
