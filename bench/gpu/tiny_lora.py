@@ -92,6 +92,7 @@ def mixed_requests(tag: str, native: int, seed: int = 0, prompts: tuple = PROMPT
         ("a", dict(loras={"A": 1.0})),
         ("img2img", dict(image=image, strength=0.6)),
         ("ab", dict(loras={"A": 0.7, "B": -0.5})),
+        ("inpaint", dict(image=image, mask=mask, strength=0.9)),
         ("inpaint-b", dict(image=image, mask=mask, strength=1.0, loras={"B": 1.0})),
         ("locon", dict(loras={"L": 0.8})),
         ("plain2", dict(guidance=1.0)),
