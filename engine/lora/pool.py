@@ -337,6 +337,8 @@ class AdapterPool:
     # ---- reading a file (diffusers' own steps) -------------------------------------------------
 
     def _read(self, path: pathlib.Path) -> list[_Factors]:
+        if not self._inside(path):  # replaced by a link out of the folder since it was listed
+            raise AdapterError("its file is no longer in the adapter folder")
         kwargs = dict(weight_name=path.name, use_safetensors=True, local_files_only=True, return_lora_metadata=True)
         if self.denoiser_name == "unet":
             kwargs["unet_config"] = self.components["unet"].config  # SDXL maps kohya's SGM blocks with it
