@@ -89,6 +89,9 @@ class SlotWeights:
         self.capacity, self.in_features, self.out_features = capacity, in_features, out_features
         self.device, self.dtype, self.kernel_size = torch.device(device), dtype, tuple(kernel_size)
         self.rank_limit = int(rank_limit)
+        # bytes of one rank of one slot's factors (A's row and B's column), for `footprint`
+        self._rank_bytes = (in_features * self.kernel_size[0] * self.kernel_size[1] + out_features) * \
+            torch.empty((), dtype=dtype).element_size()
         self.A: list[torch.Tensor | None] = [None] * capacity
         self.B: list[torch.Tensor | None] = [None] * capacity
         self.scaling = [0.0] * capacity
@@ -206,12 +209,10 @@ class SlotWeights:
         `reference_stack` builds it (the device tables aside: `table_bytes`)."""
         if not ranks:
             return 0
-        element = torch.empty((), dtype=self.dtype).element_size()
-        width = self.in_features * self.kernel_size[0] * self.kernel_size[1] + self.out_features
-        total = sum(ranks.values()) * width * element
+        total = sum(ranks.values()) * self._rank_bytes
         if self.uses_stack:
             slots = max(ranks) + 2  # up to the highest slot, then the zero row
-            total += slots * max(ranks.values()) * width * element + slots * 4  # Aᵀ and Bᵀ stacks, scalings
+            total += slots * max(ranks.values()) * self._rank_bytes + slots * 4  # Aᵀ and Bᵀ stacks, scalings
         return total
 
     @property

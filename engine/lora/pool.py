@@ -100,6 +100,7 @@ class _Adapter:
     targets: int = 0  # modules it targets
     max_rank: int = 0
     ranks: dict = dataclasses.field(default_factory=dict)  # (component, module) → rank, from validation
+    alone_bytes: int = 0  # its footprint resident alone (slot 0)
     slot: int | None = None  # resident (or being loaded) in this slot
     refcount: int = 0
     last_used: int = 0
@@ -328,6 +329,7 @@ class AdapterPool:
         adapter.targets = len(factors)
         adapter.max_rank = max(int(f.A.shape[0]) for f in factors)
         adapter.ranks = {(f.component, f.module): int(f.A.shape[0]) for f in factors}
+        adapter.alone_bytes = self._footprint({0: adapter})
 
     def _device_bytes(self, f: _Factors) -> int:
         layer = self._layers[f.component][f.module]
@@ -484,7 +486,8 @@ class AdapterPool:
 
     def _never_resident(self, adapters: Sequence[_Adapter]) -> str | None:
         """Why this set can never be resident at once (more than the whole budget), or None."""
-        need = self._fixed_bytes + self._footprint(dict(enumerate(adapters)))
+        alone = len(adapters) == 1
+        need = self._fixed_bytes + (adapters[0].alone_bytes if alone else self._footprint(dict(enumerate(adapters))))
         if need <= self.budget_bytes:
             return None
         return (f"adapters {', '.join(repr(a.name) for a in adapters)} need {need} bytes (factors, the stacks "
@@ -529,10 +532,10 @@ class AdapterPool:
                     error, adapter.load_error = adapter.load_error, None  # (the next one tries again)
                     raise AdapterError(f"adapter {name!r}: {error}")
                 adapters.append(adapter)
-            why = self._never_resident(adapters)
+            missing = [a for a in adapters if a.slot is None]
+            why = self._never_resident(adapters) if missing else None  # resident now: they fit
             if why is not None:
                 raise AdapterError(f"{why}: they can never be resident together")
-            missing = [a for a in adapters if a.slot is None]
             if missing and not self._make_room(missing, adapters):
                 return None  # the rest is referenced: wait for releases
             for adapter in missing:
