@@ -85,8 +85,9 @@ def blend_cases() -> None:
         mask = mask if soft else (mask < 0.4).float()
         coefs = torch.rand(entries, 2, generator=g)
         coefs[-1] = torch.tensor([1.0, 0.0])
-        t = dict(latents=torch.randn(slots, numel, generator=g) * 3, image_latents=torch.randn(slots, numel, generator=g),
-                 noise=torch.randn(slots, numel, generator=g), mask=mask,
+        t = dict(latents=torch.randn(slots, numel, generator=g) * 3,
+                 image_latents=torch.randn(slots, numel, generator=g), noise=torch.randn(slots, numel, generator=g),
+                 mask=mask,
                  index=torch.randperm(slots, generator=g)[:entries].to(torch.int32), coefs=coefs)
         ref = {k: v.clone() for k, v in t.items()}
         blend_known_region_reference(**ref)
