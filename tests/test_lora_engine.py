@@ -355,3 +355,30 @@ def test_graphs_captured_before_serving_cover_calls_with_and_without_adapters(se
                                                 output="latent", loras={"A": 1.0}, height=native, width=native)})
     assert set(done) == {"plain", "lora"}
     assert capture.captures == 6 and core.graphed.replays - replays == core.batches
+
+
+def test_a_parked_request_keeps_its_adapter_references_and_takes_no_more_at_resume(own_pool):
+    """A request with adapters parked for a higher priority keeps its references while
+    parked (its adapters stay resident) and resumes with them: it references nothing
+    again, and once everything has ended no adapter is referenced."""
+    model, own_dir, _, make = own_pool
+    pool = make()
+    core = EngineCore(model, CoreConfig(slots=1, preempt_min_steps=1), adapters=pool)
+    driver = CoreDriver(core)
+    driver.add({"low": GenerateParams(prompt="a blue cat", steps=8, sampler="ddim", guidance=3.0, seed=1,
+                                      output="latent", loras={"C": 1.0}, priority=0)})
+    while not driver.progress.get("low"):
+        driver.step()
+        assert driver.calls < 20000
+    driver.step()
+    driver.add({"high": GenerateParams(prompt="a red circle", steps=2, sampler="ddim", guidance=3.0, seed=2,
+                                       output="latent", priority=5)})  # a higher class than the running one
+    parked = False
+    while core.has_unfinished_requests():
+        driver.step()
+        parked |= "low" in core.requests and core.requests["low"].status.value == "parked"
+        if parked and "low" in core.requests:
+            assert pool._adapters["C"].refcount == 1  # kept while parked, never taken twice
+        assert driver.calls < 20000
+    assert parked and set(driver.finished) == {"low", "high"}
+    assert all(a.refcount == 0 for a in pool._adapters.values()), {n: a.refcount for n, a in pool._adapters.items()}

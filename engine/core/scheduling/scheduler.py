@@ -290,8 +290,8 @@ class Scheduler:
         them now (it waits, as for memory); "failed" when they can never be resident (it
         ends here, never placed, its reason naming `loras`)."""
         loras = request.params.loras
-        if not loras or self.adapters is None:
-            return True
+        if not loras or self.adapters is None or request.adapters:
+            return True  # none needed, or a parked request resuming with the references it kept
         try:
             slots = self.adapters.acquire(list(loras))
         except Exception as exc:  # the file changed or broke since validation: this request fails
