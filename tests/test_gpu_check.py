@@ -144,11 +144,11 @@ def test_lora_engine_waves_on_cpu_evict_move_the_layout_and_equal_themselves():
     request finishes, the pool evicts within its budget and LoCon moves the layout."""
     from bench.gpu.lora_engine import TOLERANCE, serve_waves
 
-    first = serve_waves("cpu", waves=2)
+    first = serve_waves("cpu", waves=1)
     assert len(first["latents"]) == first["requests"] and not first["failed"]
     assert first["evictions"] >= 1 and first["peak"] <= first["budget"] and first["versions"] >= 2
     assert first["uncounted"] <= 0
-    again = serve_waves("cpu", waves=2)
+    again = serve_waves("cpu", waves=1)
     errors = {rid: float((again["latents"][rid] - first["latents"][rid]).norm() / first["latents"][rid].norm())
               for rid in first["latents"]}
     assert judge.equal_within(errors, TOLERANCE).ok
