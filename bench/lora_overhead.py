@@ -53,7 +53,7 @@ def main() -> None:
     plain = copy.deepcopy(model.pipe.unet)
     pool = AdapterPool(model, lora_dir, budget_bytes=1 << 30)
     unwrap_layers(plain)
-    slots = pool.acquire([f"a{i}" for i in range(4)])
+    slots = pool.acquire_waiting([f"a{i}" for i in range(4)])
     rows = args.rows
     channels, h, w = model.latent_shape(model.native_size, model.native_size)
     x, t = torch.randn(rows, channels, h, w), torch.full((rows,), 500.0)

@@ -78,7 +78,8 @@ class AdapterOptions:
         "--max-loras-per-request", metavar="N", help="adapters one request may name"))
     lora_budget_bytes: int = dataclasses.field(default=256 << 20, metadata=cli(
         "--lora-budget-bytes", metavar="N",
-        help="device bytes of resident adapters; least recently used unreferenced ones are evicted beyond it"))
+        help="bytes the adapter pool holds (resident adapters' factors, the padded stacks made from them, its "
+             "tables); least recently used unreferenced adapters are evicted beyond it"))
 
 
 @dataclasses.dataclass

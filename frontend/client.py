@@ -280,7 +280,9 @@ class Client:
         limit = self.welcome.max_message_bytes if self.welcome is not None else 0
         size = len(self._encoder.encode(msg)) if limit else 0
         if refusal is None and limit and size > limit:  # the engine would refuse it: say so here, unsent
-            longest = max(("prompt", "negative_prompt"), key=lambda f: len(getattr(params, f) or ""))
+            # the field that makes it so large (a long prompt, thousands of adapters)
+            longest = max(("prompt", "negative_prompt", "loras"),
+                          key=lambda f: len(self._encoder.encode(getattr(params, f) or "")))
             refusal = (f"message of {size} bytes exceeds the engine's limit of {limit} bytes per message "
                        f"(Welcome.max_message_bytes)", longest)
         with self._lock:  # atomic with _take_handles: a handle is either failed by death/close or never made

@@ -105,6 +105,7 @@ CONCERNS = {
     # kernels: Triton kernels (interpreter), engine._C, the GPU path's helpers on CPU
     "tests/test_atomics.py": ("kernels",),
     "tests/test_device.py": ("kernels",),
+    "tests/test_gpu_check.py": ("kernels",),
     "tests/test_kernels.py": ("kernels",),
     # processes: the engine process, wire protocol, clients, decode stage, faults
     "tests/test_decode_inline.py": ("processes",),

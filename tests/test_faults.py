@@ -152,6 +152,9 @@ def test_oversized_frames_get_an_answer_naming_the_limit():
         # the client refuses to send it, with the engine's own wording
         r = c.submit(GenerateParams("a red circle " + "x" * 2 * limit)).result(1)
         assert isinstance(r, Rejected) and str(limit) in r.reason and r.field == "prompt"
+        many = {f"adapter-{k}": 1.0 for k in range(5000)}  # the field that makes it large is named
+        r = c.submit(GenerateParams("a red circle", loras=many)).result(1)
+        assert isinstance(r, Rejected) and str(limit) in r.reason and r.field == "loras"
         # a peer that sends it anyway gets the same answer from the engine, with its request id
         peer = RawPeer(engine.address)
         try:

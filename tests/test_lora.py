@@ -112,7 +112,7 @@ def _pipeline_row(pipe, x, t, hidden, loras: dict) -> torch.Tensor:
 def test_mixed_batch_rows_equal_pipeline_with_their_adapters(served, oracle_pipe):
     model, pool = served
     names = sorted({n for row in ROWS for n in row})
-    slots = dict(zip(names, pool.acquire(names)))
+    slots = dict(zip(names, pool.acquire_waiting(names)))
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(len(ROWS), 4, 8, 8, generator=g)
@@ -154,7 +154,7 @@ def test_no_adapters_is_the_base_model_and_weights_are_untouched(served, lora_se
     unet = model.pipe.unet
     wrapped = [m for m in unet.modules() if isinstance(m, LORA_LAYER_TYPES)]
     assert len(wrapped) > 50 and all(isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for m in wrapped)
-    slots = pool.acquire(["A", "B"])
+    slots = pool.acquire_waiting(["A", "B"])
     try:
         g = torch.Generator().manual_seed(1)
         x, t = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([900.0, 400.0, 50.0])
@@ -184,7 +184,7 @@ def test_text_encoder_lora_in_the_encode_stage(served, lora_setup):
     assert pool.text_encoder_key({"A": 1.0}) == ()
     assert pool.text_encoder_key({"C": 0.5, "A": 1.0}) == (("C", 0.5),)
     assert pool.text_encoder_key(None) == ()
-    slots = pool.acquire(["A", "C"])
+    slots = pool.acquire_waiting(["A", "C"])
     try:
         prompts = ["a red circle", "a blue square", "a red circle", ""]
         loras = [None, {"C": 0.8}, {"A": 1.0, "C": -0.5}, {"C": 1.0}]
@@ -328,11 +328,12 @@ def test_check_refuses_what_does_not_fit_the_model(fresh_model, tmp_path):
         reason = pool.check({name: 1.0})
         assert reason is not None and words in reason, (name, reason)
         with pytest.raises(ValueError):
-            pool.acquire([name])
+            pool.acquire_waiting([name])
     assert pool.check({"locon": 1.0}) is None
     pool.budget_bytes = pool.nbytes(["locon"]) - 1
     assert "holds" in pool.check({"locon": 1.0})
-    assert pool.acquire(["locon"]) is None
+    with pytest.raises(ValueError, match="can never be resident"):  # not a wait that never ends
+        pool.acquire(["locon"])
     # uninstall puts the base layers back
     pool.uninstall()
     assert model.adapter_rows is None
@@ -341,34 +342,35 @@ def test_check_refuses_what_does_not_fit_the_model(fresh_model, tmp_path):
 
 @torch.no_grad()
 def test_lru_eviction_refusal_and_stats(served, fresh_model, lora_setup):
-    sizes = {n: served[1].nbytes([n]) for n in "ABC"}
-    # room for A and B together, or B and C, but not all three
-    budget = max(sizes["A"] + sizes["B"], sizes["B"] + sizes["C"])
-    assert budget < sum(sizes.values())
+    # the bytes of a set resident in the lowest slots (factors and the stacks built from
+    # them): room for A and B together, or C and B, but not all three
+    both = {pair: served[1].nbytes(list(pair)) for pair in ("AB", "CB", "ABC")}
+    budget = max(both["AB"], both["CB"])
+    assert budget < both["ABC"]
     pool = AdapterPool(fresh_model, lora_setup["lora_dir"], budget_bytes=budget)
-    a = pool.acquire(["A"])
+    a = pool.acquire_waiting(["A"])
     pool.release(a)
-    b = pool.acquire(["B"])  # A resident (unreferenced), B referenced
+    b = pool.acquire_waiting(["B"])  # A resident (unreferenced), B referenced
     assert pool.stats()["resident"] == 2 and pool.stats()["referenced"] == 1
-    c = pool.acquire(["C"])  # must evict: A, the least recently used unreferenced one
+    c = pool.acquire_waiting(["C"])  # must evict: A, the least recently used unreferenced one
     assert c is not None and pool.slot_of("A") is None and pool.slot_of("B") == b[0]
     assert pool.stats()["evictions"] == 1
     # all resident adapters referenced and no room: refused, nothing evicted
     before = pool.stats()
-    assert pool.acquire(["A"]) is None
+    assert pool.acquire_waiting(["A"]) is None
     assert pool.stats()["resident"] == before["resident"] and pool.slot_of("B") == b[0]
     assert pool.stats()["evictions"] == 1
     # a second reference to a resident adapter is a hit and loads nothing
-    b2 = pool.acquire(["B"])
+    b2 = pool.acquire_waiting(["B"])
     assert b2 == b and pool.stats()["loads"] == 3
     pool.release(b2)
     pool.release(c)  # now C is the only unreferenced one: A replaces it, B stays
-    assert pool.acquire(["A"]) is not None
+    assert pool.acquire_waiting(["A"]) is not None
     assert pool.slot_of("C") is None and pool.slot_of("B") == b[0]
     stats = pool.stats()
     assert stats["loads"] == 4 and stats["hits"] == 1 and stats["misses"] == 4
     assert stats["hit_rate"] == pytest.approx(1 / 5)
-    assert stats["resident_bytes"] == sizes["A"] + sizes["B"] <= budget
+    assert stats["resident_bytes"] == both["AB"] <= budget
     with pytest.raises(ValueError, match="not referenced"):
         pool.release([pool.slot_of("A"), pool.slot_of("A")])
 
@@ -405,11 +407,11 @@ def test_plain_lora_loads_keep_graphs_locon_loads_do_not(fresh_model, lora_setup
     is; an adapter on a k×k conv (B: LoCon on conv1) changes it."""
     pool = AdapterPool(fresh_model, lora_setup["lora_dir"], budget_bytes=64 << 20)
     version = pool.layout_version
-    a = pool.acquire(["A"])  # Linear and 1×1 proj_in
+    a = pool.acquire_waiting(["A"])  # Linear and 1×1 proj_in
     pool.release(a)
-    c = pool.acquire(["C"])
+    c = pool.acquire_waiting(["C"])
     assert pool.layout_version == version
-    b = pool.acquire(["B"])
+    b = pool.acquire_waiting(["B"])
     assert pool.layout_version > version
     pool.release(b + c)
 
@@ -645,7 +647,7 @@ def test_sdxl_rows_equal_pipeline_with_their_adapters(tmp_path):
         pipe.load_lora_weights(lora_dir / name, adapter_name=name)
     model = load_model(folder, load_vae=False)
     pool = AdapterPool(model, lora_dir, budget_bytes=16 << 20)
-    slots = dict(zip(specs, pool.acquire(list(specs))))
+    slots = dict(zip(specs, pool.acquire_waiting(list(specs))))
     rows = [{}, {"X": 1.0}, {"X": 0.3, "Y": 1.5}, {"Y": -0.8}]
     g = torch.Generator().manual_seed(3)
     x, t = torch.randn(len(rows), 4, 8, 8, generator=g), torch.tensor([950.0, 600.0, 300.0, 30.0])
@@ -689,7 +691,7 @@ def test_sd3_transformer_rows_equal_pipeline_with_their_adapters(tmp_path):
     pipe.load_lora_weights(lora_dir / "S", adapter_name="S")
     model = load_model(folder, load_vae=False)
     pool = AdapterPool(model, lora_dir, budget_bytes=16 << 20)
-    slot = pool.acquire(["S"])[0]
+    slot = pool.acquire_waiting(["S"])[0]
     g = torch.Generator().manual_seed(4)
     x, t = torch.randn(3, 16, 8, 8, generator=g), torch.tensor([900.0, 500.0, 100.0])
     cond = model.encode(["a red circle", "", "a blue square"])
@@ -802,3 +804,47 @@ def test_conv_lora_with_stride_and_padding_equals_peft(kernel, stride, padding, 
     add_lora_conv_gathered(gathered, x, layer.weights, RowGroups.build(index, scale, for_kernel=True),
                            layer.stride, layer.padding, layer.dilation)
     torch.testing.assert_close(gathered, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_long_names_links_out_and_read_errors_are_refused_without_server_paths(fresh_model, lora_setup, tmp_path):
+    """A name over 255 bytes is refused naming `loras` (not an internal error); a link in
+    the folder that leads out of it is neither listed nor read; a link within it is; a
+    file that cannot be read is refused with a reason that names the adapter, never a
+    path of the server or the reader's own words (those go to the log)."""
+    import os
+    import shutil
+
+    from engine.core.input_kinds.adapters import AdapterKind
+    from engine.core.outputs import RequestRejected
+    from engine.protocol import GenerateParams
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    shutil.copy(lora_setup["lora_dir"] / "B.safetensors", folder / "B.safetensors")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(lora_setup["lora_dir"] / "B.safetensors", outside / "secret.safetensors")
+    os.symlink(outside / "secret.safetensors", folder / "leak.safetensors")
+    os.symlink(outside, folder / "leakdir")  # a folder link: outside/pytorch_lora_weights.safetensors
+    shutil.copy(lora_setup["lora_dir"] / "B.safetensors", outside / "pytorch_lora_weights.safetensors")
+    os.symlink(folder / "B.safetensors", folder / "alias.safetensors")  # a link within the folder
+    (folder / "corrupt.safetensors").write_bytes(b"\xff" * 64)
+    pool = AdapterPool(fresh_model, folder, budget_bytes=64 << 20)
+    assert pool.names() == ["B", "alias", "corrupt"]
+    for name in ("leak", "leakdir"):
+        assert "unknown adapter" in pool.check({name: 1.0})
+    assert pool.check({"alias": 1.0}) is None
+    long_name = "é" * 128  # 256 bytes
+    for loras in ({long_name: 1.0}, {"x" * 10_000: 1.0}):
+        reason = pool.check(loras)
+        assert reason is not None and "at most 255 bytes" in reason
+        with pytest.raises(RequestRejected) as caught:
+            AdapterKind(pool).check(GenerateParams(prompt="a red circle", loras=loras))
+        assert caught.value.field == "loras"
+    reason = pool.check({"corrupt": 1.0})
+    assert "'corrupt'" in reason and "cannot be read" in reason
+    for private in (str(tmp_path), "Safetensor", "header"):
+        assert private not in reason, reason
+        assert private not in pool.check({"nope": 1.0})
+    assert str(folder) not in pool.check({"nope": 1.0})
+    pool.uninstall()

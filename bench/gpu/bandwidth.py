@@ -1,7 +1,7 @@
 """Part `bandwidth`: the update kernel's achieved bandwidth (bytes it must move / median
 time over many back-to-back launches, triton.testing.do_bench) against a
 device-to-device copy of the same bytes in the same run, at sizes several times the
-60 MB L2."""
+60 MB L2: at least `judge.BANDWIDTH_TARGET` of the copy's."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,7 @@ import triton.testing
 
 from .engine_internals import (A, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q, update_slots_reference,
                                update_slots_triton)
+from . import judge
 from .report import check, row
 
 
@@ -62,11 +63,12 @@ def run(args) -> None:
         ms_c = triton.testing.do_bench(lambda src=src, dst=dst: dst.copy_(src), warmup=50, rep=rep,
                                        return_mode="median")
         bw_k, bw_c = nbytes / ms_k / 1e6, 8 * n / ms_c / 1e6
-        ok = bool(torch.isfinite(t["latents"]).all())
+        finite = bool(torch.isfinite(t["latents"]).all())
         row("bandwidth", case, "bytes per launch (MB)", nbytes / 1e6, "info", f"{nbytes / l2:.1f}× the L2")
         row("bandwidth", case, "kernel median ms", ms_k, "info", f"{bw_k:.0f} GB/s")
         row("bandwidth", case, "d2d copy median ms (same bytes)", ms_c, "info", f"{bw_c:.0f} GB/s")
-        check("bandwidth", case, "kernel / copy bandwidth", bw_k / bw_c, ok, "" if ok else "latents went non-finite")
+        verdict = judge.bandwidth(bw_k, bw_c, finite)
+        check("bandwidth", case, "kernel / copy bandwidth", bw_k / bw_c, verdict.ok, verdict.note)
         if entries == 1024:
             ms_r = triton.testing.do_bench(lambda t=t: update_slots_reference(**t), warmup=10, rep=rep // 2,
                                            return_mode="median")

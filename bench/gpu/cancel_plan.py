@@ -4,11 +4,15 @@ behind a `torch.cuda._sleep`: used by the reaper part (CUDA against CPU, the rea
 checks at the held cancel) and the kernel part (an EngineCore on a second device)."""
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from engine.protocol import GenerateParams
 from engine.testing.reference import TEST_CONDITIONS, tiny_model
 
+from . import judge
 from .engine_internals import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, record_fences
 from .stream_hold import sleep_cycles_per_s
 
@@ -23,13 +27,17 @@ PLAN = [  # id, sampler, steps, guidance, seed, join at batch, cancel at batch
 ]
 
 
-def run_plan(device: str, hold_at_cancel: bool, hold_s: float = 0.2):
+def run_plan(device: str, hold_at_cancel: bool):
+    """The plan on `device`. With `hold_at_cancel`, the launch that carries the cancel waits
+    behind a hold of `judge.hold_seconds(the median step() time measured before it)`;
+    `run_plan.holds_ms` (CUDA events) and `run_plan.step_s` say what it was."""
     model = tiny_model("epsilon")
     model.unet.to(device)
     model.device = torch.device(device)
-    hold = {"on": False}
+    hold = {"on": False, "s": 0.0}
     run = model.run
-    cycles = sleep_cycles_per_s() * hold_s if device == "cuda" else 0
+    cycles_per_s = sleep_cycles_per_s() if device == "cuda" else 0
+    step_times = []
 
     holds = []  # (begin, end) CUDA events around each hold: its real length (SM clocks change)
 
@@ -37,7 +45,7 @@ def run_plan(device: str, hold_at_cancel: bool, hold_s: float = 0.2):
         if hold["on"]:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            torch.cuda._sleep(int(cycles))  # about hold_s of GPU time queued before this launch
+            torch.cuda._sleep(int(cycles_per_s * hold["s"]))  # about hold["s"] of GPU time before this launch
             end.record()
             holds.append((begin, end))
             hold["on"] = False
@@ -72,7 +80,8 @@ def run_plan(device: str, hold_at_cancel: bool, hold_s: float = 0.2):
                 if hold_at_cancel:
                     torch.cuda.synchronize()
                     collect(core.step())  # every earlier launch reaped now
-                    hold["on"] = True
+                    run_plan.step_s = statistics.median(step_times)
+                    hold["on"], hold["s"] = True, judge.hold_seconds(run_plan.step_s)
                     collect(core.step())  # this launch, which includes the victim, waits behind the sleep
                     group, slot = req.group, req.slot
                     fence, epoch = group.last_fence[slot], int(group.epoch[slot])
@@ -93,7 +102,9 @@ def run_plan(device: str, hold_at_cancel: bool, hold_s: float = 0.2):
                     collect(outs)
                 else:
                     core.abort_requests([rid])
+        t0 = time.perf_counter()
         collect(core.step())
+        step_times.append(time.perf_counter() - t0)
         guard += 1
         if guard > 5000:
             raise RuntimeError("engine did not finish the plan")

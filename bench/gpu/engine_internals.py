@@ -14,12 +14,14 @@ import time
 from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestFailed
 from engine.core import kernels as _update_kernel
 from engine.core.fences import CudaFences
-from engine.core.kernels import update_slots_reference, update_slots_triton
+from engine.core.kernels import (blend_known_region_reference, blend_known_region_triton, update_slots_reference,
+                                 update_slots_triton)
 from engine.core.solvers import A, CLIP, D, E, G, HC, KEEP_HIST, KS, KT, M, NUM_COEFS, P, Q, build_schedule
 
 __all__ = [
     "A", "CLIP", "D", "E", "G", "HC", "KEEP_HIST", "KS", "KT", "M", "NUM_COEFS", "P", "Q", "CoreConfig", "CudaFences",
-    "DenoiseFinished", "EngineCore", "RequestCanceled", "RequestFailed", "build_schedule", "cuda_graph_counts",
+    "DenoiseFinished", "EngineCore", "RequestCanceled", "RequestFailed", "blend_known_region_reference",
+    "blend_known_region_triton", "build_schedule", "cuda_graph_counts",
     "record_fences", "time_fence_waits", "update_kernel_jit", "update_kernel_launch_options",
     "update_slots_reference", "update_slots_triton",
 ]

@@ -1,5 +1,5 @@
 """Part `flux`: a FLUX.1-dev-architecture FluxTransformer2DModel (random weights, real
-widths and all 19 + 38 blocks, said in its rows; 1024×1024 → 16×128×128 unpacked latents,
+widths and all 19 + 38 blocks, 4 + 8 with --quick, said in its rows; 1024×1024 → 16×128×128 unpacked latents,
 4096 image + 512 text tokens, bf16) in the engine's own FluxModel (packing, position ids,
 shift; embedded guidance differing per row): engine vs peak, as `unet`."""
 from __future__ import annotations
@@ -36,6 +36,10 @@ FLUX_SCHEDULER_CONFIG = dict(  # its scheduler/scheduler_config.json
 
 FLUX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 
+#: --quick: a fifth of the depth at the real widths (a block's cost and the engine's
+#: overhead per call are what the ratio compares; building and running 57 blocks is not)
+QUICK_BLOCKS = dict(num_layers=4, num_single_layers=8)
+
 
 def flux_model(config: dict = FLUX_TRANSFORMER_CONFIG, device="cuda", dtype=torch.bfloat16, native_size: int = 1024):
     """The engine's own `FluxModel` on a random-weight transformer (its packing, position
@@ -70,8 +74,13 @@ def flux_model(config: dict = FLUX_TRANSFORMER_CONFIG, device="cuda", dtype=torc
     return Flux()
 
 
+def flux_config(quick: bool) -> dict:
+    """The transformer's config: all blocks (about 24 GB in bf16), or `QUICK_BLOCKS`."""
+    return dict(FLUX_TRANSFORMER_CONFIG, **(QUICK_BLOCKS if quick else {}))
+
+
 def run(args) -> None:
-    config = dict(FLUX_TRANSFORMER_CONFIG)  # all blocks (about 24 GB in bf16): cut num_layers here if need be
+    config = flux_config(args.quick)
     depth = f"{config['num_layers']}/19 double + {config['num_single_layers']}/38 single blocks"
     t0 = time.perf_counter()
     model = flux_model(config)

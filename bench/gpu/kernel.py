@@ -3,7 +3,8 @@ bit (NaN where NaN): random cases in fp32/bf16/fp16 model outputs, every sampler
 coefficient pattern (each kernel sampler × prediction type, first/middle/last steps), NaN
 model outputs, a learned-sigma `out[:, :C]` view. Device guards, where there is a second
 device: the kernel, a fence and a whole EngineCore on cuda:N while another device is
-current (the engine against CPU)."""
+current (the engine against CPU). The inpainting blend kernel against its reference, bit
+for bit."""
 from __future__ import annotations
 
 import torch
@@ -47,6 +48,7 @@ def run(args) -> None:
     wide[:, :numel] = t["model_out"]
     t["model_out"] = wide[:, :numel]  # a learned-sigma model's out[:, :C]
     compare_kernel("kernel", "learned-sigma out[:, :C] view", t)
+    blend_cases()
     if torch.cuda.device_count() > 1:  # device guards: every launch on its tensors' device, not the current one
         current = torch.cuda.current_device()
         other = next(d for d in range(torch.cuda.device_count()) if d != current)
@@ -66,3 +68,32 @@ def run(args) -> None:
     else:
         row("kernel", "cuda:N while another device is current", "second device", torch.cuda.device_count(), "skipped",
             "one device")
+
+
+def blend_cases() -> None:
+    """The inpainting blend kernel (`blend_known_region_triton`) on CUDA against its torch
+    reference, bit for bit: SD-sized slots (4×64×64 and 4×128×128 latents), a subset of
+    slots as entries, binary and soft masks, a final step's (1, 0) coefficients; slots
+    outside the entries untouched."""
+    from .engine_internals import blend_known_region_reference, blend_known_region_triton
+
+    for n, (slots, entries, shape, soft) in enumerate(((16, 11, (4, 64, 64), False), (8, 8, (4, 128, 128), True),
+                                                       (5, 1, (4, 24, 40), False))):
+        g = torch.Generator().manual_seed(40 + n)
+        numel = shape[0] * shape[1] * shape[2]
+        mask = torch.rand(slots, numel, generator=g)
+        mask = mask if soft else (mask < 0.4).float()
+        coefs = torch.rand(entries, 2, generator=g)
+        coefs[-1] = torch.tensor([1.0, 0.0])
+        t = dict(latents=torch.randn(slots, numel, generator=g) * 3,
+                 image_latents=torch.randn(slots, numel, generator=g), noise=torch.randn(slots, numel, generator=g),
+                 mask=mask,
+                 index=torch.randperm(slots, generator=g)[:entries].to(torch.int32), coefs=coefs)
+        ref = {k: v.clone() for k, v in t.items()}
+        blend_known_region_reference(**ref)
+        got = {k: v.cuda() for k, v in t.items()}
+        blend_known_region_triton(**got)
+        same = bool(torch.equal(got["latents"].cpu(), ref["latents"]))
+        check("kernel", f"inpaint blend {entries}/{slots} slots x{'x'.join(map(str, shape))}"
+              + (" soft mask" if soft else ""), "latents bitwise = reference", same, same,
+              "" if same else f"max|Δ| {float((got['latents'].cpu() - ref['latents']).abs().max()):.3g}")

@@ -3,7 +3,9 @@ layers (32 rows × 4096 tokens × 320/640/1280 features, ranks 8/16/64 and mixed
 adapters by Zipf popularity, a quarter of the entries without one, one and two adapters
 a row): equal to `add_lora_reference` (fp16 and fp32, rows without adapters untouched);
 median time against a per-adapter loop of matmuls, against a device-to-device copy of the
-bytes it must move (the bandwidth bound), and against the base layer's F.linear."""
+bytes it must move (the bandwidth bound), and against the base layer's F.linear. High
+ranks (up to the limit, ragged, in one call; a graph captured at a low rank replayed with
+a rank-256 adapter) and bf16 against an fp32 reference."""
 from __future__ import annotations
 
 import math
@@ -125,6 +127,8 @@ def run(args) -> None:
     # fp32: the kernel runs IEEE dots (no TF32), so it meets the reference closely
     weights, index, scale, x, out0 = lora_case(320, (8, 16), 6, 8, 2, 1024, "cuda", seed=9, dtype=torch.float32)
     lora_compare("8x1024x320 r8/16 6 ad. K=2 fp32", weights, index, scale, x, out0, 1e-5)
+    high_ranks(args)
+    bf16_against_fp32()
     if torch.cuda.device_count() > 1:  # the launch's device guard: tensors on another device than the current one
         current = torch.cuda.current_device()
         other = next(d for d in range(torch.cuda.device_count()) if d != current)
@@ -133,3 +137,59 @@ def run(args) -> None:
     else:
         row("lora", "tensors on another device than the current one", "second device", torch.cuda.device_count(),
             "skipped", "one device")
+
+
+HIGH_RANKS = (64, 128, 200, 256)  # up to the pool's default limit (`DEFAULT_RANK_LIMIT`)
+
+
+def high_ranks(args) -> None:
+    """Ranks up to the limit, ragged in one call (the kernels walk the rank in tiles of
+    `RANK_BLOCK`: one compiled kernel for every rank), fp16 and fp32, against the
+    reference; and inside a CUDA-graph capture (scratch sized for the limit), replayed
+    after a higher-rank adapter is put in a slot the graph never saw."""
+    for dtype, tol in ((torch.float16, 2e-3), (torch.float32, 1e-5)):
+        weights, index, scale, x, out0 = lora_case(640, HIGH_RANKS, 8, 8, 2, 1024, "cuda", seed=21, dtype=dtype)
+        lora_compare(f"8x1024x640 r{'/'.join(map(str, HIGH_RANKS))} K=2 {str(dtype)[6:]}", weights, index, scale, x,
+                     out0, tol)
+    weights, index, scale, x, out0 = lora_case(640, (8,), 4, 8, 1, 1024, "cuda", seed=22, dtype=torch.float16)
+    groups = RowGroups.build(index.cuda(), scale.cuda(), for_kernel=True)
+    out = out0.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        add_lora_triton(out, x, weights, groups)  # compiled before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        add_lora_triton(out, x, weights, groups)
+    g = torch.Generator().manual_seed(23)
+    top = max(HIGH_RANKS)
+    weights.put(0, torch.randn(top, 640, generator=g) / 640 ** 0.5, torch.randn(640, top, generator=g) / top ** 0.5,
+                1.5)  # slot 0 now holds a rank-256 adapter: the graph reads it through the device tables
+    out.copy_(out0)
+    graph.replay()
+    ref = out0.clone()
+    add_lora_reference(ref, x, weights, RowGroups.build(index.cuda(), scale.cuda(), for_kernel=False))
+    err = float((out.float() - ref.float()).norm() / max(float((ref.float() - out0.float()).norm()), 1e-6))
+    check("lora", "graph captured at rank 8, replayed with a rank-256 adapter", "rel L2 vs reference", err,
+          err <= 2e-3 and bool(torch.isfinite(out).all()), "the scratch is sized for the rank limit at capture")
+
+
+def bf16_against_fp32() -> None:
+    """bf16 adapters and activations through the kernel against the fp32 reference on
+    fp32 copies of the same values: the error is bf16's rounding (a few 1e-3 of the
+    delta), not a wrong adapter, scale or row."""
+    weights, index, scale, x, out0 = lora_case(1280, (8, 16, 64), 12, 16, 2, 1024, "cuda", seed=31,
+                                               dtype=torch.bfloat16)
+    got = out0.clone()
+    add_lora_triton(got, x, weights, RowGroups.build(index.cuda(), scale.cuda(), for_kernel=True))
+    wide = SlotWeights(weights.capacity, 1280, 1280, "cuda", torch.float32)
+    for slot in range(weights.capacity):
+        if weights.A[slot] is not None:
+            wide.put(slot, weights.A[slot].float(), weights.B[slot].float(), weights.scaling[slot])
+    ref = out0.float().clone()
+    add_lora_reference(ref, x.float(), wide, RowGroups.build(index.cuda(), scale.cuda(), for_kernel=False))
+    delta = float((ref - out0.float()).norm())
+    err = float((got.float() - ref).norm()) / max(delta, 1e-6)
+    check("lora", "16x1024x1280 r8/16/64 K=2 bf16", "kernel vs fp32 reference (rel L2 of the delta)", err,
+          err <= 2e-2 and bool(torch.isfinite(got).all()), "tol 2e-2: bf16 keeps 8 bits of mantissa")

@@ -1,5 +1,6 @@
 """Part `reaper`: an EngineCore on CUDA (tiny model, mixed samplers, a cancel): a launch
-held behind `torch.cuda._sleep` (the hold timed by CUDA events) keeps the canceled
+held behind `torch.cuda._sleep` (the hold timed by CUDA events, sized from the engine's
+measured step time: `judge.HOLD_STEPS` steps at least) keeps the canceled
 request's slot and epoch until its CUDA event completes; every fence completes; results
 equal the CPU run."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from engine.testing.reference import rel_l2
 
+from . import judge
 from .cancel_plan import PLAN, run_plan
 from .report import check, row
 
@@ -21,9 +23,10 @@ def run(args) -> None:
     gpu, gpu_canceled, checks, _ = run_plan("cuda", hold_at_cancel=True)
     holds_ms = run_plan.holds_ms
     cpu, cpu_canceled, _, _ = run_plan("cpu", hold_at_cancel=False)
-    check("reaper", "held launch + cancel", "hold ms (CUDA events)", holds_ms[0] if holds_ms else 0.0,
-          len(holds_ms) == 1 and holds_ms[0] >= 50, "planned 200 ms by the cycle calibration; the fence "
-          "checks need the launch still pending when they look")
+    held_s = holds_ms[0] / 1e3 if len(holds_ms) == 1 else 0.0
+    verdict = judge.reaper_hold(held_s, run_plan.step_s)
+    check("reaper", "held launch + cancel", "hold ms (CUDA events)", held_s * 1e3, verdict.ok,
+          f"{verdict.note}; planned {judge.hold_seconds(run_plan.step_s) * 1e3:.0f} ms by the cycle calibration")
     for name, ok in checks.items():
         check("reaper", "held launch + cancel", name, ok, bool(ok))
     both = sorted(gpu_canceled) == sorted(cpu_canceled) == ["victim"]

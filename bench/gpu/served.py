@@ -21,7 +21,7 @@ def serve_in_process(model, stage, requests: list, config, timeout_s: float = 30
     completed outputs over the wall time from the first `add_request` to the last output."""
     core = EngineCore(model, config)
     spent = time_fence_waits(core)
-    completed, errors, decode_s, hosts = 0, [], [], []
+    completed, errors, decode_s, hosts, completed_at = 0, [], [], [], []
     t0 = time.perf_counter()
     with torch.no_grad():
         for rid, params in requests:
@@ -43,6 +43,7 @@ def serve_in_process(model, stage, requests: list, config, timeout_s: float = 30
                 core.decode_done(decoded.request_id)
                 if decoded.error is None:
                     completed += 1
+                    completed_at.append(time.perf_counter() - t0)
                     decode_s.append(decoded.timings.decode_s)
                 else:
                     errors.append(f"{decoded.request_id}: {decoded.error}")
@@ -50,7 +51,7 @@ def serve_in_process(model, stage, requests: list, config, timeout_s: float = 30
                 raise RuntimeError(f"served {completed} of {len(requests)} in {timeout_s:g} s")
     wall = time.perf_counter() - t0
     stats = core.stats()
-    return dict(completed=completed, errors=errors, wall=wall, goodput=completed / wall,
+    return dict(completed=completed, errors=errors, wall=wall, goodput=completed / wall, completed_at=completed_at,
                 rows_per_call=stats["useful_evals"] / max(1, core.batches),
                 decode_ms=statistics.median(decode_s) * 1e3 if decode_s else float("nan"),
                 host_ms=statistics.median(hosts) * 1e3 if hosts else float("nan"),
@@ -65,8 +66,12 @@ def served_row(part: str, case: str, r: dict, n: int) -> bool:
                  + (f"; {len(r['errors'])} errors: {r['errors'][0][:120]}" if r["errors"] else ""))
 
 
-def generate_requests(tag: str, n: int, output: str, steps: int, prompts=None, guidance: float = 7.5) -> list:
+def generate_requests(tag: str, n: int, output: str, steps: int, prompts=None, guidance: float = 7.5,
+                      stagger: int = 0) -> list:
+    """`n` requests of `steps` steps (`stagger`: request k takes `k % (stagger + 1)` more, so
+    that completions spread out instead of arriving in waves of a full batch)."""
     prompts = prompts or [f"prompt {k}" for k in range(5)]
-    return [(f"{tag}{k}", GenerateParams(prompt=prompts[k % len(prompts)], negative_prompt="", steps=steps,
-                                         sampler="euler", guidance=guidance, seed=k, output=output))
+    return [(f"{tag}{k}", GenerateParams(prompt=prompts[k % len(prompts)], negative_prompt="",
+                                         steps=steps + k % (stagger + 1), sampler="euler", guidance=guidance, seed=k,
+                                         output=output))
             for k in range(n)]

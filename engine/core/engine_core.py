@@ -173,15 +173,18 @@ class EngineCore:
         params = GenerateParams(prompt="")
         prompt = self.model.encode([""])[0]
         extras = self.model.request_inputs(params, native, native)
+        variants = [extras]  # calls whose rows have no adapter leave the adapter rows out: a graph each
         if self.adapters is not None:
-            extras.update(self.adapters.row_inputs([], []))
+            variants.append({**extras, **self.adapters.row_inputs([], [])})
         limit = 2 * self.config.slots  # the buckets `Runner.build_batch` rounds up to
         sizes = sorted({min(1 << k, limit) for k in range(limit.bit_length() + 1)})
         for rows in sizes:
-            inputs = model_inputs(torch.zeros(rows, *shape, device=self.device, dtype=self.model.dtype),
-                                  torch.full((rows,), 500.0, device=self.device), [prompt] * rows,
-                                  **{name: value[:1].expand(rows, *value.shape[1:]) for name, value in extras.items()})
-            self.runner.graphed(inputs)
+            for fields in variants:
+                inputs = model_inputs(torch.zeros(rows, *shape, device=self.device, dtype=self.model.dtype),
+                                      torch.full((rows,), 500.0, device=self.device), [prompt] * rows,
+                                      **{name: value[:1].expand(rows, *value.shape[1:]).contiguous()
+                                         for name, value in fields.items()})  # as serving's (a graph key)
+                self.runner.graphed(inputs)
         log.info("captured %d CUDA graphs of the denoiser before serving", len(self.runner.graphed.graphs))
 
     def has_unfinished_requests(self) -> bool:

@@ -18,9 +18,12 @@ class AdapterResidency(Protocol):
     def check(self, loras: Mapping[str, float]) -> str | None:
         """Why these adapters and scales cannot be served, or None (intake)."""
 
-    def acquire(self, names: Sequence[str]) -> list[int] | None:
-        """Make them resident and reference each once: their pool slots; None when they
-        cannot all be resident now (admission waits). Raises when one cannot be loaded."""
+    def acquire(self, names: Sequence[str]) -> list[int] | str | None:
+        """Reference each once when all are resident: their pool slots. Never blocks:
+        "loading" while a loader thread reads one of them (admission waits; nobody else
+        is held back), None when there is no room for them now (admission waits, as for
+        memory). Raises when they can never be resident (a set over the budget, a file
+        that changed into one that cannot be served or read)."""
 
     def release(self, slots: Sequence[int]) -> None:
         """Drop one reference per slot (after the fence of the slot's last launch)."""

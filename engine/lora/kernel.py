@@ -89,6 +89,9 @@ class SlotWeights:
         self.capacity, self.in_features, self.out_features = capacity, in_features, out_features
         self.device, self.dtype, self.kernel_size = torch.device(device), dtype, tuple(kernel_size)
         self.rank_limit = int(rank_limit)
+        # bytes of one rank of one slot's factors (A's row and B's column), for `footprint`
+        self._rank_bytes = (in_features * self.kernel_size[0] * self.kernel_size[1] + out_features) * \
+            torch.empty((), dtype=dtype).element_size()
         self.A: list[torch.Tensor | None] = [None] * capacity
         self.B: list[torch.Tensor | None] = [None] * capacity
         self.scaling = [0.0] * capacity
@@ -132,11 +135,13 @@ class SlotWeights:
     def _changed(self, slot: int) -> None:
         self.max_rank = max(self.rank)
         self._stack = None
-        if self._tables is not None:  # keep the device tables in step (fills, no host sync)
+        if self._tables is not None:  # keep the device tables in step: fills, no host copy, no sync
+            # (an indexed assignment of a Python number goes through a host tensor and a copy)
             a, b, r, s = self._tables
-            a[slot] = 0 if self.A[slot] is None else self.A[slot].data_ptr()
-            b[slot] = 0 if self.B[slot] is None else self.B[slot].data_ptr()
-            r[slot], s[slot] = self.rank[slot], self.scaling[slot]
+            a[slot].fill_(0 if self.A[slot] is None else self.A[slot].data_ptr())
+            b[slot].fill_(0 if self.B[slot] is None else self.B[slot].data_ptr())
+            r[slot].fill_(self.rank[slot])
+            s[slot].fill_(self.scaling[slot])
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device tables of A and B addresses, ranks and scalings, by slot (built once,
@@ -190,6 +195,36 @@ class SlotWeights:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.A + self.B if t is not None)
+
+    @property
+    def uses_stack(self) -> bool:
+        """Whether calls through this layer build the padded reference stack: every layer
+        on the reference path (CPU), and k×k convs on CUDA (the kernel reads the factors
+        where they are)."""
+        return not (self.is_pointwise and self.device.type == "cuda" and triton is not None)
+
+    def footprint(self, ranks: dict[int, int]) -> int:
+        """Bytes this layer holds with adapters of these ranks (by slot) resident: their
+        factors and, where the layer uses one, the padded reference stack as
+        `reference_stack` builds it (the device tables aside: `table_bytes`)."""
+        if not ranks:
+            return 0
+        total = sum(ranks.values()) * self._rank_bytes
+        if self.uses_stack:
+            slots = max(ranks) + 2  # up to the highest slot, then the zero row
+            total += slots * max(ranks.values()) * self._rank_bytes + slots * 4  # Aᵀ and Bᵀ stacks, scalings
+        return total
+
+    @property
+    def table_bytes(self) -> int:
+        """The device tables' bytes (made once, whatever is resident)."""
+        return 0 if self._tables is None else sum(t.numel() * t.element_size() for t in self._tables)
+
+    @property
+    def held_bytes(self) -> int:
+        """What this layer's adapters really hold now: factors, the stack if built, tables."""
+        stack = 0 if self._stack is None else sum(t.numel() * t.element_size() for t in self._stack)
+        return self.nbytes + stack + self.table_bytes
 
 
 @dataclasses.dataclass

@@ -13,10 +13,21 @@ device up to a byte budget, each in one pool slot that every wrapped layer index
   What peft would load but this pool cannot serve (DoRA, LoRA biases, LoKr, embedding
   LoRA, grouped convs, a module the model lacks, shapes that do not fit, a rank above
   `max_rank`) is refused by `check` with the reason.
-* Residency: `acquire(names)` makes the adapters resident (loading what is not), evicting
-  least-recently-used adapters that nothing references, and adds one reference each; it
-  returns None, evicting nothing, when they cannot all be resident now (the rest is
-  referenced). `release(slots)` drops the references (after the slot's fence).
+* Residency: `acquire(names)` references the adapters once each when they are all
+  resident. One that is not gets room (least-recently-used adapters that nothing
+  references are evicted) and is loaded by the pool's loader thread: the file read, the
+  conversion and the copies to the device happen there, off the engine's busy loop, which
+  only puts the staged factors in place (pointer and table updates) at a later `acquire`;
+  meanwhile `acquire` answers "loading". It answers None, evicting nothing, when there is
+  no room now (the rest is referenced), and raises `AdapterError` when the adapters can
+  never be resident (a set larger than the budget, a file that changed into one that
+  cannot be read or served). `release(slots)` drops the references (after the slot's fence).
+* Bytes: the budget covers everything the pool allocates for its adapters: their factors,
+  the padded stacks the reference path builds from them (`SlotWeights.footprint`) and the
+  layers' device tables (made once at install); `stats()["resident_bytes"]` is that count.
+* The folder: names are plain file names (at most 255 bytes), and an entry whose real
+  path leaves the folder (a symbolic link to elsewhere) is neither listed nor read.
+  Reasons name the adapter, never a path of the server; read errors go to the log.
 * Text-encoder LoRA: the text encoders' layers are wrapped too and read their rows from
   `text_rows`; `encode(prompts, loras)` runs the model's own `encode` with each prompt's
   adapters bound, and `text_encoder_key(loras)` is what the embedding cache key must add.
@@ -26,12 +37,16 @@ its rows are bound (the denoiser's rows are a separate `AdapterRows`).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
+import logging
 import math
 import os
 import pathlib
 import threading
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -39,12 +54,24 @@ import torch
 from engine.lora.kernel import DEFAULT_RANK_LIMIT
 from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, LoraConv2d, unwrap_layers, wrap_layers
 
+log = logging.getLogger("diffslot.lora")
+
 #: The file `save_lora_weights` writes into a folder.
 FOLDER_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 #: Scales beyond this are refused: far outside what any adapter is trained for, and a
 #: likely typo (an adapter at 100 turns the image to noise).
 MAX_SCALE = 16.0
+
+#: The longest adapter name (a file name's limit on common file systems).
+MAX_NAME_BYTES = 255
+
+#: `acquire`'s answer while the loader thread reads an adapter it needs.
+LOADING = "loading"
+
+#: How long an adapter just loaded for a waiting request is kept from eviction before that
+#: request references it (the next admission does at once; this only bounds a canceled one's).
+LOADED_HOLD_S = 5.0
 
 
 class AdapterError(ValueError):
@@ -72,10 +99,16 @@ class _Adapter:
     components: tuple[str, ...] = ()  # which components it targets
     targets: int = 0  # modules it targets
     max_rank: int = 0
-    slot: int | None = None  # resident in this slot
+    ranks: dict = dataclasses.field(default_factory=dict)  # (component, module) → rank, from validation
+    alone_bytes: int = 0  # its footprint resident alone (slot 0)
+    slot: int | None = None  # resident (or being loaded) in this slot
     refcount: int = 0
     last_used: int = 0
     layers: list = dataclasses.field(default_factory=list)  # the wrapped layers holding its factors
+    loading: concurrent.futures.Future | None = None  # the loader thread's staging of its factors
+    load_error: str | None = None  # why loading this version of the file failed
+    unreferenced_load: bool = False  # loaded, not yet referenced: its first reference is its miss
+    hold_until: float = 0.0  # not evicted before this (monotonic s) while `unreferenced_load`
 
     @property
     def text_encoder(self) -> bool:
@@ -134,6 +167,10 @@ class AdapterPool:
         self._encode_lock = threading.Lock()
         self._tick = 0
         self._layers: dict[str, dict] = {}
+        self._fixed_bytes = 0  # the layers' device tables: allocated once at install
+        self._resident_bytes = 0  # the fixed bytes + the footprint of the adapters with a slot
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._load_stream = None  # the loader thread's CUDA stream
         self.loads = self.evictions = self.hits = self.misses = 0
         #: bumped whenever a k×k conv layer's adapters change (LoCon): the one thing a
         #: captured CUDA graph of the denoiser depends on (recapture then)
@@ -156,6 +193,9 @@ class AdapterPool:
                                            "(its slots index every wrapped layer)")
                     rows = self.rows if name == self.denoiser_name else self.text_rows
                     self._layers[name] = wrap_layers(module, self.max_resident, rows, self.max_rank)
+                self._fixed_bytes = sum(layer.weights.table_bytes for layers in self._layers.values()
+                                        for layer in layers.values())
+                self._resident_bytes = self._fixed_bytes
                 self.installed = True
             self.model.bind_adapter_rows(self.rows)
         return self
@@ -165,32 +205,56 @@ class AdapterPool:
         with self._lock:
             if any(a.refcount for a in self._adapters.values()):
                 raise RuntimeError("adapters are still referenced")
+            self._finish_loads(wait=True)
             for adapter in list(self._by_slot.values()):
                 self._evict(adapter)
+            self.close()
             for module in self.components.values():
                 unwrap_layers(module)
             self._layers.clear()
+            self._fixed_bytes = self._resident_bytes = 0
             self.installed = False
             if getattr(self.model, "adapter_rows", None) is self.rows:
                 self.model.bind_adapter_rows(None)
 
     # ---- the folder ---------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop the loader thread (after the load it runs, if any)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _inside(self, path: pathlib.Path) -> bool:
+        """The file is in the folder once links are followed (a link may point within it)."""
+        try:
+            return os.path.realpath(path).startswith(os.path.realpath(self.lora_dir) + os.sep)
+        except OSError:
+            return False
+
     def _scan(self) -> set[str]:
         """The names the folder offers now: `NAME.safetensors` files and `NAME/` folders
-        holding `pytorch_lora_weights.safetensors` (hidden entries skipped: partial copies)."""
+        holding `pytorch_lora_weights.safetensors` (hidden entries skipped: partial copies;
+        so are links that lead out of the folder)."""
         found = set()
         try:
             entries = list(os.scandir(self.lora_dir))
-        except FileNotFoundError:
+        except OSError:
             return found
         for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if entry.is_dir() and os.path.isfile(os.path.join(entry.path, FOLDER_WEIGHTS)):
-                found.add(entry.name)
-            elif entry.is_file() and entry.name.endswith(".safetensors"):
-                found.add(entry.name.removesuffix(".safetensors"))
+            try:
+                if entry.is_dir():
+                    path, name = pathlib.Path(entry.path) / FOLDER_WEIGHTS, entry.name
+                elif entry.name.endswith(".safetensors"):
+                    path, name = pathlib.Path(entry.path), entry.name.removesuffix(".safetensors")
+                else:
+                    continue
+                if path.is_file() and self._inside(path):
+                    found.add(name)
+            except OSError:
+                continue
         return found
 
     def names(self) -> list[str]:
@@ -204,18 +268,25 @@ class AdapterPool:
     def _locate(self, name: str) -> pathlib.Path | str | None:
         """The adapter's file, why the name is ambiguous, or None. Only plain names: a
         request's name never reaches outside the folder."""
-        if not name or name.startswith(".") or any(c in name for c in "/\\\0") or name != name.strip():
+        if not name or name.startswith(".") or any(c in name for c in "/\\\0") or name != name.strip() \
+                or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             return None
         file, folder = self.lora_dir / f"{name}.safetensors", self.lora_dir / name / FOLDER_WEIGHTS
-        in_file, in_folder = file.is_file(), folder.is_file()
+        try:
+            in_file = file.is_file() and self._inside(file)
+            in_folder = folder.is_file() and self._inside(folder)
+        except OSError:  # a name the file system cannot hold
+            return None
         if in_file and in_folder:
-            return f"ambiguous: both {name}.safetensors and {name}/ are in {self.lora_dir}"
+            return f"ambiguous: both {name}.safetensors and a folder {name}/ are in the adapter folder"
         return file if in_file else folder if in_folder else None
 
     def _record(self, name: str) -> _Adapter | None:
         """The adapter's record, its file read again if it changed. A resident adapter whose
         file moved, changed or vanished keeps serving its resident copy while referenced."""
         adapter = self._adapters.get(name)
+        if adapter is not None and adapter.loading is not None:
+            return adapter  # its slot is reserved and the loader reads it: looked at again once loaded
         where = self._locate(name)
         if adapter is not None and adapter.refcount > 0 and (where is None or isinstance(where, str)
                                                              or where != adapter.path):
@@ -234,7 +305,7 @@ class AdapterPool:
             adapter = self._adapters[name] = _Adapter(name, where, ())
         try:
             signature = _file_signature(where)
-        except FileNotFoundError:
+        except OSError:
             return None
         if signature != adapter.signature and adapter.refcount == 0:
             self._evict(adapter)  # a stale copy of an edited file
@@ -242,19 +313,23 @@ class AdapterPool:
         return adapter
 
     def _validate(self, adapter: _Adapter, signature: tuple) -> None:
-        adapter.signature, adapter.reason = signature, None
+        adapter.signature, adapter.reason, adapter.load_error = signature, None, None
         try:
             factors = self._read(adapter.path)
         except AdapterError as exc:
             adapter.reason = str(exc)
             return
         except Exception as exc:  # a corrupt or foreign file: refused, never raised into the engine
-            adapter.reason = f"cannot be read as a diffusers LoRA file: {type(exc).__name__}: {exc}"
+            # the details (a path, the reader's words) stay in the log
+            log.warning("adapter %r (%s) cannot be read: %s: %s", adapter.name, adapter.path, type(exc).__name__, exc)
+            adapter.reason = "cannot be read as a diffusers LoRA file (the engine's log has the details)"
             return
         adapter.nbytes = sum(self._device_bytes(f) for f in factors)
         adapter.components = tuple(sorted({f.component for f in factors}, key=list(self.components).index))
         adapter.targets = len(factors)
         adapter.max_rank = max(int(f.A.shape[0]) for f in factors)
+        adapter.ranks = {(f.component, f.module): int(f.A.shape[0]) for f in factors}
+        adapter.alone_bytes = self._footprint({0: adapter})
 
     def _device_bytes(self, f: _Factors) -> int:
         layer = self._layers[f.component][f.module]
@@ -264,6 +339,8 @@ class AdapterPool:
     # ---- reading a file (diffusers' own steps) -------------------------------------------------
 
     def _read(self, path: pathlib.Path) -> list[_Factors]:
+        if not self._inside(path):  # replaced by a link out of the folder since it was listed
+            raise AdapterError("its file is no longer in the adapter folder")
         kwargs = dict(weight_name=path.name, use_safetensors=True, local_files_only=True, return_lora_metadata=True)
         if self.denoiser_name == "unet":
             kwargs["unet_config"] = self.components["unet"].config  # SDXL maps kohya's SGM blocks with it
@@ -385,11 +462,13 @@ class AdapterPool:
             return "loras must map adapter names to scales"
         if len(loras) > self.max_per_request:
             return f"{len(loras)} adapters requested; at most {self.max_per_request} per request"
-        total = 0
         with self._lock:
+            adapters = []
             for name, scale in loras.items():
                 if not isinstance(name, str):
                     return f"adapter names are strings, not {type(name).__name__}"
+                if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                    return f"adapter names are at most {MAX_NAME_BYTES} bytes ({name[:32]!r}... is longer)"
                 if isinstance(scale, bool) or not isinstance(scale, (int, float)):
                     return f"scale of {name!r} must be a number, not {type(scale).__name__}"
                 if not math.isfinite(scale) or abs(scale) > self.max_scale:
@@ -399,30 +478,33 @@ class AdapterPool:
                     known = self.names()
                     listed = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
                     return f"unknown adapter {name!r}" + (f"; known: {listed}" if known else
-                                                          f"; {self.lora_dir} holds none")
+                                                          "; the adapter folder holds none")
                 if adapter.reason is not None:
                     return f"adapter {name!r}: {adapter.reason}"
-                total += adapter.nbytes
-            if total > self.budget_bytes:
-                return (f"adapters {', '.join(map(repr, loras))} need {total} bytes on the device; the adapter "
-                        f"pool holds {self.budget_bytes}")
-        return None
+                adapters.append(adapter)
+            return self._never_resident(adapters)
+
+    def _never_resident(self, adapters: Sequence[_Adapter]) -> str | None:
+        """Why this set can never be resident at once (more than the whole budget), or None."""
+        alone = len(adapters) == 1
+        need = self._fixed_bytes + (adapters[0].alone_bytes if alone else self._footprint(dict(enumerate(adapters))))
+        if need <= self.budget_bytes:
+            return None
+        return (f"adapters {', '.join(repr(a.name) for a in adapters)} need {need} bytes (factors, the stacks "
+                f"built from them and the pool's tables); the adapter pool holds {self.budget_bytes}")
+
+    def _footprint(self, placed: Mapping[int, _Adapter]) -> int:
+        """The bytes these adapters take when resident in these slots: their factors and the
+        padded stacks of the layers that build one (`SlotWeights.footprint`)."""
+        by_layer: dict[tuple, dict[int, int]] = {}
+        for slot, adapter in placed.items():
+            for key, rank in adapter.ranks.items():
+                by_layer.setdefault(key, {})[slot] = rank
+        return sum(self._layers[component][module].weights.footprint(ranks)
+                   for (component, module), ranks in by_layer.items())
 
     def nbytes(self, names: Sequence[str]) -> int:
-        """Device bytes of these adapters when resident (what the ledger counts)."""
-        with self._lock:
-            total = 0
-            for name in names:
-                adapter = self._record(name)
-                if adapter is None or adapter.reason is not None:
-                    raise AdapterError(f"adapter {name!r}: " + (adapter.reason if adapter else "unknown"))
-                total += adapter.nbytes
-            return total
-
-    def acquire(self, names: Sequence[str]) -> list[int] | None:
-        """Make the adapters resident and reference each once; their slots, in order. None
-        (nothing evicted, nothing referenced) when they cannot all be resident now."""
-        names = list(dict.fromkeys(names))
+        """Bytes these adapters alone take when resident (in the lowest slots)."""
         with self._lock:
             adapters = []
             for name in names:
@@ -430,41 +512,88 @@ class AdapterPool:
                 if adapter is None or adapter.reason is not None:
                     raise AdapterError(f"adapter {name!r}: " + (adapter.reason if adapter else "unknown"))
                 adapters.append(adapter)
+            return self._footprint(dict(enumerate(adapters)))
+
+    def acquire(self, names: Sequence[str]) -> list[int] | str | None:
+        """Reference the adapters once each when all are resident: their slots, in order.
+        Otherwise nothing is referenced: `LOADING` while the loader thread reads one of
+        them (a load this call may have started, after making room for it), None when there
+        is no room for them now (nothing evicted). Raises `AdapterError` (naming the
+        adapter, never a path) when they can never be resident together."""
+        names = list(dict.fromkeys(names))
+        with self._lock:
+            self._finish_loads()
+            adapters = []
+            for name in names:
+                adapter = self._record(name)
+                if adapter is None or adapter.reason is not None:
+                    raise AdapterError(f"adapter {name!r}: " + (adapter.reason if adapter else "unknown"))
+                if adapter.load_error is not None:  # its last load failed: this request fails with it
+                    error, adapter.load_error = adapter.load_error, None  # (the next one tries again)
+                    raise AdapterError(f"adapter {name!r}: {error}")
+                adapters.append(adapter)
             missing = [a for a in adapters if a.slot is None]
-            need = sum(a.nbytes for a in missing)
-            evictable = sorted((a for a in self._by_slot.values() if a.refcount == 0 and a not in adapters),
-                               key=lambda a: a.last_used)
-            resident = self.resident_bytes
-            free_slots = len(self._free_slots)
-            victims = []
-            for victim in evictable:
-                if resident + need <= self.budget_bytes and free_slots >= len(missing):
-                    break
-                victims.append(victim)
-                resident -= victim.nbytes
-                free_slots += 1
-            if resident + need > self.budget_bytes or free_slots < len(missing):
-                return None  # the rest is referenced: wait for releases (evict nothing now)
-            for victim in victims:
-                self._evict(victim)
-            loaded = []
-            try:
-                for adapter in missing:
-                    self._load(adapter)
-                    loaded.append(adapter)
-            except Exception:
-                for adapter in loaded:
-                    self._evict(adapter)
-                raise
+            why = self._never_resident(adapters) if missing else None  # resident now: they fit
+            if why is not None:
+                raise AdapterError(f"{why}: they can never be resident together")
+            if missing and not self._make_room(missing, adapters):
+                return None  # the rest is referenced: wait for releases
+            for adapter in missing:
+                self._start_load(adapter)
             self._tick += 1
+            if any(a.loading is not None for a in adapters):
+                for adapter in adapters:  # the resident part of the set stays off the eviction list's head
+                    adapter.last_used = self._tick
+                return LOADING
             for adapter in adapters:
-                if adapter in missing:
-                    self.misses += 1
+                if adapter.unreferenced_load:
+                    adapter.unreferenced_load = False  # its miss was counted when its load started
                 else:
                     self.hits += 1
                 adapter.refcount += 1
                 adapter.last_used = self._tick
             return [a.slot for a in adapters]
+
+    def acquire_waiting(self, names: Sequence[str], timeout_s: float = 300.0) -> list[int] | None:
+        """`acquire`, waiting for the loads it starts (tests and benchmarks; never the busy loop)."""
+        while True:
+            result = self.acquire(names)
+            if result != LOADING:
+                return result
+            with self._lock:
+                pending = [a.loading for a in self._adapters.values() if a.loading is not None]
+            concurrent.futures.wait(pending, timeout=timeout_s)
+
+    def _make_room(self, missing: list[_Adapter], wanted: list[_Adapter]) -> bool:
+        """Evict the fewest least-recently-used unreferenced adapters (none of `wanted`, none
+        loading) that leave room for `missing` in the lowest free slots; False (nothing
+        evicted) when even evicting them all would not."""
+        now = time.monotonic()
+        evictable = sorted((a for a in self._by_slot.values()
+                            if a.refcount == 0 and a.loading is None and a not in wanted
+                            and not (a.unreferenced_load and now < a.hold_until)), key=lambda a: a.last_used)
+
+        def fits(victims: int) -> bool:
+            gone = evictable[:victims]
+            free = sorted(self._free_slots + [a.slot for a in gone])
+            if len(free) < len(missing):
+                return False
+            placed = {slot: a for slot, a in self._by_slot.items() if a not in gone}
+            placed.update(zip(free, missing))
+            return self._fixed_bytes + self._footprint(placed) <= self.budget_bytes
+
+        if not fits(len(evictable)):
+            return False
+        low, high = 0, len(evictable)  # fewer victims never fit better: the least that fits, by bisection
+        while low < high:
+            middle = (low + high) // 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle + 1
+        for victim in evictable[:low]:
+            self._evict(victim)
+        return True
 
     def release(self, slots: Sequence[int]) -> None:
         """Drop one reference per slot (after the fence of the last call that used them)."""
@@ -493,14 +622,23 @@ class AdapterPool:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(a.nbytes for a in self._by_slot.values())
+        """The bytes the pool holds by its count: the tables, and the footprint of every
+        adapter with a slot (resident or being loaded)."""
+        return self._resident_bytes
+
+    def held_bytes(self) -> int:
+        """What the wrapped layers really hold now (factors, stacks built, tables): never
+        above `resident_bytes`, equal once every stack is built."""
+        with self._lock:
+            return sum(layer.weights.held_bytes for layers in self._layers.values() for layer in layers.values())
 
     def stats(self) -> dict:
         with self._lock:
             asked = self.hits + self.misses
             return dict(loads=self.loads, evictions=self.evictions, resident=len(self._by_slot),
                         resident_bytes=self.resident_bytes, budget_bytes=self.budget_bytes,
-                        referenced=sum(1 for a in self._by_slot.values() if a.refcount), hits=self.hits,
+                        referenced=sum(1 for a in self._by_slot.values() if a.refcount),
+                        loading=sum(1 for a in self._by_slot.values() if a.loading is not None), hits=self.hits,
                         misses=self.misses, hit_rate=self.hits / asked if asked else 0.0)
 
     # ---- text encoders ------------------------------------------------------------------------
@@ -552,29 +690,108 @@ class AdapterPool:
 
     # ---- residency ----------------------------------------------------------------------------
 
-    def _load(self, adapter: _Adapter) -> None:
-        factors = self._read(adapter.path)
+    def _start_load(self, adapter: _Adapter) -> None:
+        """Reserve the lowest free slot (and the adapter's bytes) and hand the file to the
+        loader thread."""
         slot = heapq.heappop(self._free_slots)  # lowest first: the reference's stacks stay compact
         adapter.slot, adapter.layers = slot, []
         self._by_slot[slot] = adapter
-        try:
+        self._recount()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-loader")
+        adapter.loading = self._executor.submit(self._stage, adapter.name, adapter.path)
+        self.misses += 1
+        adapter.unreferenced_load = True
+
+    def _stage(self, name: str, path: pathlib.Path) -> tuple[tuple, list[_Factors]]:
+        """(The loader thread.) The file read with diffusers' steps and its factors copied
+        to the layers' device and dtype, completely (the busy loop only points at them).
+        Returns the file's signature as read, and the factors."""
+        before = _file_signature(path)
+        factors = self._read(path)
+        if _file_signature(path) != before:
+            raise AdapterError("its file changed while it was read")
+        device = next(iter(self._layers[self.denoiser_name].values())).weights.device
+        stream = None
+        if device.type == "cuda":  # a stream of the loader's own: the busy loop's stream never waits for it
+            if self._load_stream is None:
+                self._load_stream = torch.cuda.Stream(device)
+            stream = self._load_stream
+        def placed(t: torch.Tensor, weights) -> torch.Tensor:
+            t = t.to(dtype=weights.dtype).contiguous()  # converted on the host
+            if weights.device.type != "cuda":
+                return t.to(weights.device)
+            # page-locked and asynchronous: no copy here synchronises the device (the busy
+            # loop's steps may run under torch's sync debug mode, which is process-wide)
+            return t.pin_memory().to(weights.device, non_blocking=True)
+
+        staged = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for f in factors:
+                weights = self._layers[f.component][f.module].weights
+                staged.append(dataclasses.replace(f, A=placed(f.A, weights), B=placed(f.B, weights)))
+        if stream is not None:  # the copies are done before the busy loop's stream reads the factors
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()  # this thread waits, nothing else
+        return before, staged
+
+    def _finish_loads(self, wait: bool = False) -> None:
+        """Put the factors of every finished load in place (on the caller's thread: the
+        busy loop), or record why it failed (`wait`: every load in flight first)."""
+        for adapter in [a for a in self._by_slot.values() if a.loading is not None]:
+            future = adapter.loading
+            if not wait and not future.done():
+                continue
+            adapter.loading = None
+            try:
+                signature, staged = future.result()
+            except Exception as exc:
+                self._evict(adapter, loaded=False)
+                adapter.unreferenced_load = False
+                if isinstance(exc, AdapterError):
+                    adapter.load_error = str(exc)
+                else:
+                    log.warning("adapter %r (%s) could not be loaded: %s: %s", adapter.name, adapter.path,
+                                type(exc).__name__, exc)
+                    adapter.load_error = "could not be loaded (the engine's log has the details)"
+                continue
+            ranks = {(f.component, f.module): int(f.A.shape[0]) for f in staged}
+            if signature != adapter.signature and ranks != adapter.ranks:
+                # the file changed since it was checked, into another shape: checked again when next asked for
+                self._evict(adapter, loaded=False)
+                adapter.unreferenced_load, adapter.signature = False, ()
+                continue
+            self._install(adapter, staged)
+            adapter.signature, adapter.hold_until = signature, time.monotonic() + LOADED_HOLD_S
+
+    def _install(self, adapter: _Adapter, staged: list[_Factors]) -> None:
+        slot = adapter.slot
+        try:
+            for f in staged:
                 layer = self._layers[f.component][f.module]
                 before = _layout_key(layer)
                 layer.weights.put(slot, f.A, f.B, f.scaling)
                 adapter.layers.append(layer)
                 self.layout_version += before != _layout_key(layer)
-        except Exception:
-            self._evict(adapter)
-            raise
-        adapter.nbytes = sum(layer.weights.A[slot].numel() * layer.weights.A[slot].element_size()
-                             + layer.weights.B[slot].numel() * layer.weights.B[slot].element_size()
-                             for layer in adapter.layers)
+        except Exception as exc:
+            self._evict(adapter, loaded=False)
+            adapter.unreferenced_load = False
+            log.warning("adapter %r could not be put in place: %s: %s", adapter.name, type(exc).__name__, exc)
+            adapter.load_error = "could not be loaded (the engine's log has the details)"
+            return
         self.loads += 1
 
-    def _evict(self, adapter: _Adapter) -> None:
+    def _recount(self) -> None:
+        self._resident_bytes = self._fixed_bytes + self._footprint(self._by_slot)
+
+    def _evict(self, adapter: _Adapter, loaded: bool = True) -> None:
+        """Drop the adapter's factors and free its slot (`loaded`: it was resident, an
+        eviction; otherwise a reservation whose load did not complete)."""
         if adapter.slot is None:
             return
+        if adapter.loading is not None:
+            raise RuntimeError(f"adapter {adapter.name!r} is being loaded")
         for layer in adapter.layers:
             before = _layout_key(layer)
             layer.weights.clear(adapter.slot)
@@ -582,7 +799,9 @@ class AdapterPool:
         self._by_slot.pop(adapter.slot, None)
         heapq.heappush(self._free_slots, adapter.slot)
         adapter.slot, adapter.layers = None, []
-        self.evictions += 1
+        self.evictions += loaded
+        self._recount()
 
 
-__all__ = ["AdapterPool", "AdapterError", "FOLDER_WEIGHTS", "MAX_SCALE", "LORA_LAYER_TYPES"]
+__all__ = ["AdapterPool", "AdapterError", "FOLDER_WEIGHTS", "LOADING", "MAX_NAME_BYTES", "MAX_SCALE",
+           "LORA_LAYER_TYPES"]

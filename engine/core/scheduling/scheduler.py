@@ -12,7 +12,11 @@ that ends a request returns its output message rather than keeping a list.
 
 Adapters are a resource of admission, like memory: a request is placed only when the
 adapter pool (`engine.lora.interface.AdapterResidency`) makes its adapters resident;
-their references are dropped with the slot, after its fence.
+their references are dropped with the slot, after its fence. While the pool's loader
+thread reads a request's adapter, that request waits and everyone may pass it; a request
+waiting for adapter room is passed at most `bypass_limit` times by requests that also
+need adapters, never holding back one that needs none; one whose adapters can never be
+resident fails (its reason names `loras`).
 
 Bounds: at most `max_groups` groups live at once (an idle group is evicted, least
 recently served first, to make room for a new key); a request that does not fit in
@@ -158,10 +162,15 @@ class Scheduler:
         if self.config.admission == "static" and any(g.active for g in self.groups.values()):
             return plan  # a new batch only when the last one is finished, as a pipeline call
         waiting_for_memory: list[Request] = []
+        waiting_for_adapters: list[Request] = []  # for adapter room: they hold back only others needing adapters
         full_groups: set[tuple] = set()
+        limit = self.config.bypass_limit
         for request in self._candidates():
-            if waiting_for_memory and any(r.bypassed >= self.config.bypass_limit for r in waiting_for_memory):
+            if any(r.bypassed >= limit for r in waiting_for_memory):
                 break  # an aged request waits for memory: nobody passes it any more
+            needs_adapters = bool(request.params.loras) and self.adapters is not None
+            if needs_adapters and any(r.bypassed >= limit for r in waiting_for_adapters):
+                continue  # an aged request waits for adapter room: no other adapter user passes it
             key = request.group_key
             if key in full_groups:
                 continue  # FIFO within a group: once full, its later requests wait too
@@ -174,13 +183,19 @@ class Scheduler:
                 continue
             if not self._fits(request):  # victims parked at once free their bytes now, others after their fence
                 self._preempt_for(request, plan)
-            if not self._fits(request) or not self._acquire_adapters(request, plan):
-                if request.stopping:
-                    continue  # its adapter cannot be loaded: it ended
+            if not self._fits(request):
                 waiting_for_memory.append(request)  # a known boundary: it waits, others may pass
                 continue
+            adapters = self._acquire_adapters(request, plan)
+            if adapters is not True:
+                if adapters == "room":
+                    waiting_for_adapters.append(request)
+                continue  # loading (anyone may pass), or it ended (never resident)
             for waiting in waiting_for_memory:
                 waiting.bypassed += 1
+            if needs_adapters:
+                for waiting in waiting_for_adapters:
+                    waiting.bypassed += 1
             self.queue.remove(request)
             self.admitted_evals += request.remaining_evals
             if request.status is RequestStatus.PARKED:
@@ -269,22 +284,30 @@ class Scheduler:
         log.info("request %s parked at step %d (epoch now %d)", request.request_id, request.steps_at_release,
                  group.epoch[slot])
 
-    def _acquire_adapters(self, request: Request, plan: AdmissionPlan) -> bool:
-        """Make the request's adapters resident and reference them; False when they cannot
-        all be resident now (it waits, as for memory) or cannot be loaded at all (it fails
-        here, never placed)."""
+    def _acquire_adapters(self, request: Request, plan: AdmissionPlan) -> bool | str:
+        """Reference the request's resident adapters: True once done (or none needed);
+        "loading" while the pool loads one (it waits); "room" when there is no room for
+        them now (it waits, as for memory); "failed" when they can never be resident (it
+        ends here, never placed, its reason naming `loras`)."""
         loras = request.params.loras
-        if not loras or self.adapters is None:
-            return True
+        if not loras or self.adapters is None or request.adapters:
+            return True  # none needed, or a parked request resuming with the references it kept
         try:
             slots = self.adapters.acquire(list(loras))
         except Exception as exc:  # the file changed or broke since validation: this request fails
+            if isinstance(exc, ValueError):  # the pool's own reason: it names adapters, never a path
+                why = str(exc)
+            else:
+                log.exception("request %s: its adapters could not be acquired", request.request_id)
+                why = "its adapters could not be loaded (the engine's log has the details)"
             self.queue.remove(request)
-            self.fail(request, f"adapter could not be loaded: {exc}")
+            self.fail(request, f"loras: {why}")
             plan.outputs.append(self.end(request))
-            return False
+            return "failed"
         if slots is None:
-            return False
+            return "room"
+        if isinstance(slots, str):
+            return slots
         request.adapters = tuple(slots)
         return True
 
