@@ -106,6 +106,16 @@ shows one that no longer imports:
                --quick) in the engine's own FluxModel (packing, position ids, shift;
                embedded guidance differing per row): engine vs peak, as `unet`, ≥ 0.9.
 
+  step_cache   per-request step caches on a FLUX.1-architecture transformer at 1024² (bf16,
+               8 + 16 blocks; 4 + 8 with --quick) through EngineCore: a set skip pattern
+               (MagCache, every other step) against the same trace uncached, ≥ 0.8 of the
+               ideal 1 / (1 − skipped share); first_block deciding per request with nothing
+               skipped (threshold 0) ≤ 1.15 × the uncached time.
+  qwen_image   a Qwen-Image-architecture transformer (bf16; 8 blocks with --quick) in the
+               engine's own QwenImageModel at 512² and 1024²: requests one at a time against
+               the engine's mixed batch of prompts of different lengths, in useful rows/s,
+               beside the anchors' published ratios (SGLang: 3.2× at 512² batch 16, 1.02×
+               at 1024² batch 2). Figures, no verdict.
 The lent machine lacks those packages and has an older torch than setup.py pins: this
 script unpacks the carried wheels into bench/.wheels/site and puts that first on sys.path
 (the project itself is never installed there: it runs from this checkout). On a machine
@@ -155,6 +165,8 @@ PARTS = [  # name (its module bench/gpu/<name>.py), needs CUDA; run in this orde
     ("lora_engine", True),
     ("sdxl", True),
     ("flux", True),
+    ("step_cache", True),
+    ("qwen_image", True),
 ]
 
 

@@ -175,3 +175,14 @@ def test_help_documents_the_one_device_command_within_420_s():
 
     assert DEFAULT_BUDGET_S + 100 <= 420  # no part with --quick takes much over 100 s
     assert {"lora_engine", "nosync", "png", "graphs"} <= {name for name, _ in PARTS}
+
+
+def test_step_cache_verdicts_fail_when_the_cache_saves_nothing():
+    """A cache that skips half the row-steps but runs no faster fails, one near its ideal
+    passes; a per-request decision that doubles the step time, or that hits where nothing
+    should, fails."""
+    assert judge.step_cache_goodput(1.9, 0.5).ok
+    assert not judge.step_cache_goodput(1.05, 0.5).ok
+    assert not judge.step_cache_goodput(1.0, 0.0).ok  # nothing skipped: nothing shown
+    assert judge.step_cache_decision(1.05, 1.0, 0).ok
+    assert not judge.step_cache_decision(2.0, 1.0, 0).ok and not judge.step_cache_decision(1.0, 1.0, 3).ok

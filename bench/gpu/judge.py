@@ -31,6 +31,14 @@ HOLD_STEPS = 10
 MIN_HOLD_S = 0.2
 
 
+#: step caches with a set skip pattern: goodput at least this fraction of the ideal
+#: 1 / (1 − share of row-steps skipped) (the part outside the blocks, the gather and the
+#: scatter cost the rest); the per-request first-block decision, when nothing is skipped,
+#: at most this multiple of the uncached time
+STEP_CACHE_OF_IDEAL = 0.8
+STEP_CACHE_DECISION_COST = 1.15
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     ok: bool
@@ -138,3 +146,19 @@ def equal_within(errors: dict, tolerance: float) -> Verdict:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def step_cache_goodput(speedup: float, skipped_share: float) -> Verdict:
+    """A cache that skips `skipped_share` of the row-steps comes within STEP_CACHE_OF_IDEAL of
+    its ideal speed-up; one that skips nothing shows nothing."""
+    ideal = 1.0 / max(1e-9, 1.0 - skipped_share)
+    ok = skipped_share > 0 and speedup >= STEP_CACHE_OF_IDEAL * ideal
+    return Verdict(ok, f"{skipped_share:.2f} of row-steps skipped: ideal {ideal:.2f}×, "
+                   f"target ≥ {STEP_CACHE_OF_IDEAL:g} × ideal")
+
+
+def step_cache_decision(seconds_deciding: float, seconds_plain: float, hits: int) -> Verdict:
+    """Deciding per request (the first block apart, one host read a call) when nothing is
+    skipped costs at most STEP_CACHE_DECISION_COST × the uncached time."""
+    ok = hits == 0 and seconds_plain > 0 and seconds_deciding <= STEP_CACHE_DECISION_COST * seconds_plain
+    return Verdict(ok, f"target ≤ {STEP_CACHE_DECISION_COST:g}× uncached; {hits} hits (0 expected)")

@@ -8,10 +8,9 @@ of every request, whatever its step — requests that joined at different steps 
 different calls, so the rows that skip leave calls that others still compute. Checked:
 
 - `mag, every other step`: goodput over the same trace uncached, against the ideal
-  1 / (1 − share of row-steps skipped); target ≥ 0.8 × ideal (the part not in the blocks,
-  the gather and the scatter cost the rest);
+  1 / (1 − share of row-steps skipped) (`judge.step_cache_goodput`);
 - `first_block, never hits` (threshold 0): what deciding per request costs when nothing is
-  skipped (the first block apart, one host read per call); target ≤ 1.15 × uncached time.
+  skipped (the first block apart, one host read per call; `judge.step_cache_decision`).
 """
 from __future__ import annotations
 
@@ -23,22 +22,8 @@ from engine.core import CoreConfig, EngineCore
 from engine.protocol import GenerateParams, StepCache
 
 from .flux import FLUX_TRANSFORMER_CONFIG, flux_model
+from . import judge
 from .report import check, row
-
-GOODPUT_OF_IDEAL = 0.8
-DECISION_OVERHEAD = 1.15
-
-
-def judge_skip_goodput(speedup: float, skipped_share: float) -> tuple[bool, float]:
-    """(ok, ideal): a cache that skips `skipped_share` of the row-steps should come within
-    GOODPUT_OF_IDEAL of 1 / (1 − share)."""
-    ideal = 1.0 / max(1e-9, 1.0 - skipped_share)
-    return skipped_share > 0 and speedup >= GOODPUT_OF_IDEAL * ideal, ideal
-
-
-def judge_decision_overhead(seconds_deciding: float, seconds_plain: float) -> bool:
-    return seconds_deciding <= DECISION_OVERHEAD * seconds_plain
-
 
 def trace(requests: int, steps: int, cache: StepCache | None) -> list[tuple[str, GenerateParams]]:
     return [(f"r{k}", GenerateParams(prompt=f"prompt {k % 3}", steps=steps + 2 * (k % 3), seed=k, output="latent",
@@ -75,11 +60,9 @@ def run(args) -> None:
     skip = StepCache("mag", threshold=1.0, max_skip_steps=1, retention_ratio=0.0, mag_ratios=(1.0,))
     skip_s, stats = timed_run(model, trace(requests, steps, skip), slots)
     share = stats["cache_hits"] / max(1, stats["cache_decisions"])
-    ok, ideal = judge_skip_goodput(plain_s / skip_s, share)
-    check("step_cache", "mag, every other step", "goodput × uncached", plain_s / skip_s, ok,
-          f"{share:.2f} of row-steps skipped: ideal {ideal:.2f}×, target ≥ {GOODPUT_OF_IDEAL} × ideal")
+    verdict = judge.step_cache_goodput(plain_s / skip_s, share)
+    check("step_cache", "mag, every other step", "goodput × uncached", plain_s / skip_s, verdict.ok, verdict.note)
     never = StepCache("first_block", threshold=0.0)
     never_s, stats = timed_run(model, trace(requests, steps, never), slots)
-    check("step_cache", "first_block, never hits", "time × uncached", never_s / plain_s,
-          judge_decision_overhead(never_s, plain_s) and stats["cache_hits"] == 0,
-          f"the per-request decision's cost (first block apart, one host read a call); target ≤ {DECISION_OVERHEAD}")
+    verdict = judge.step_cache_decision(never_s, plain_s, stats["cache_hits"])
+    check("step_cache", "first_block, never hits", "time × uncached", never_s / plain_s, verdict.ok, verdict.note)
