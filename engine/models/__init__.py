@@ -53,6 +53,9 @@ def resolve(name_or_path: str | pathlib.Path, revision: str | None = None,
         if revision is not None:
             raise ValueError(f"--revision {revision!r} applies to hub ids; {text} is a local path")
         path = path.resolve()
+        if path.is_file() and not is_single_file(path):
+            raise ModelNotFound(f"model {text!r}: a file, but not a checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)}); "
+                                "a pipeline is a folder")
         return path if path.is_file() else _check_folder(path)
     if _HUB_ID.match(text) and "/" in text and not text.startswith("."):
         return _from_hub(text, revision, variant)
@@ -98,13 +101,14 @@ def _from_hub(repo_id: str, revision: str | None, variant: str | None) -> pathli
                                                        local_files_only=True))
     except (OSError, ValueError) as cached_error:
         miss = one_line(cached_error)
+    local = f"no folder or file {pathlib.Path(repo_id).resolve()}, and as a hub id ({where}) it is"
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ModelNotFound(f"model {repo_id!r} ({where}) is not in the Hugging Face cache {hub_cache_dir()} and "
+        raise ModelNotFound(f"model {repo_id!r}: {local} not in the Hugging Face cache {hub_cache_dir()}, and "
                             f"HF_HUB_OFFLINE is set, so it was not downloaded ({miss})")
     try:
         return pathlib.Path(DiffusionPipeline.download(repo_id, revision=revision, variant=variant))
     except Exception as exc:  # noqa: BLE001 - network, authentication, a missing repo: all said in one line
-        raise ModelNotFound(f"model {repo_id!r} ({where}): not in the Hugging Face cache {hub_cache_dir()}, and "
+        raise ModelNotFound(f"model {repo_id!r}: {local} not in the Hugging Face cache {hub_cache_dir()}, and "
                             f"downloading it failed: {one_line(exc)}") from None
 
 
