@@ -226,8 +226,10 @@ def engine_command(args: argparse.Namespace, address: str) -> list[str]:
                "--layout", args.layout, "--admission", args.admission,
                "--max-queue", str(args.max_queue), "--dtype", args.dtype,
                *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
-    if args.device:
-        command += ["--device", args.device]
+    for flag, value in (("--revision", args.revision), ("--variant", args.variant), ("--config", args.config),
+                        ("--device", args.device)):
+        if value:
+            command += [flag, value]
     lora_dir = args.lora_dir or (str(SHAPES_LORAS) if args.model == "shapes" and SHAPES_LORAS.is_dir() else None)
     if lora_dir:
         command += ["--lora-dir", lora_dir]

@@ -415,3 +415,13 @@ def test_a_single_file_checkpoint_loads_with_its_config_folder(tiny_sd, tmp_path
     decoder = VaeDecoder.from_folder(model.decode_folder)
     latents = torch.randn(1, 4, 8, 8)
     np.testing.assert_array_equal(decoder.decode(latents), model.decode(latents))
+
+
+def test_the_ray_app_takes_a_lora_dir(tmp_path, capsys):
+    pytest.importorskip("ray")
+    from frontend.ray_app import AppConfig, engine_arguments, main
+
+    args = engine_arguments(AppConfig(lora_dir=str(tmp_path)), None)
+    assert args[args.index("--lora-dir") + 1] == str(tmp_path)
+    assert main(["--lora-dir", str(tmp_path / "absent")]) == 2  # before any cluster starts
+    assert "no such folder" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -89,6 +90,8 @@ def test_every_snippet_runs_as_written(tmp_path):
             assert (scratch / image).stat().st_size > 0, image
         _check_edits(address, scratch)
         _check_adapters(address, port)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert 'route="/v1/images/edits",status="200"' in metrics  # the README's edit, under its own route
     finally:
         for group in groups:
             _stop_group(group)
