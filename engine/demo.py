@@ -57,11 +57,11 @@ def plan(prompts: list[str], adapters: list[str] = ()) -> list[dict]:
         requests.append(dict(prompt="a green square", image=_png(red_square), mask=_png(square), sampler="default",
                              seed=1, output="png", edit="inpainting the input's box",
                              input=outlined(red_square, square), **INPAINT))
-    for name in adapters:  # the same request without, then with the adapter
+    if adapters:  # one request without an adapter, then the same with each
         base = dict(prompt=prompts[min(6, len(prompts) - 1)], steps=20, sampler="dpmpp_2m", guidance=3.0, seed=5,
                     output="png")
         requests.append(dict(base, edit="no adapter"))
-        requests.append(dict(base, loras={name: 1.0}, edit=f"LoRA {name!r} at 1.0"))
+        requests += [dict(base, loras={name: 1.0}, edit=f"LoRA {name!r} at 1.0") for name in adapters]
     return requests
 
 
