@@ -425,3 +425,11 @@ def test_the_ray_app_takes_a_lora_dir(tmp_path, capsys):
     assert args[args.index("--lora-dir") + 1] == str(tmp_path)
     assert main(["--lora-dir", str(tmp_path / "absent")]) == 2  # before any cluster starts
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_clients_are_told_a_hub_id_whole_and_never_a_host_path():
+    from engine.serve.proc import model_label
+
+    assert model_label("stabilityai/stable-diffusion-xl-base-1.0") == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert model_label("/srv/models/private/tiny-sd") == "tiny-sd"
+    assert model_label("shapes") == "shapes"

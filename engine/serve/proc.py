@@ -53,6 +53,7 @@ import logging
 import os
 import pathlib
 import queue
+import re
 import signal
 import threading
 import time
@@ -96,7 +97,10 @@ class StartupError(RuntimeError):
 
 
 def model_label(name: str) -> str:
-    """What clients are told the model is: its folder's name, never the path on this host."""
+    """What clients are told the model is: its folder's name, never the path on this host;
+    a hub id (org/name, as a model loaded from the hub's cache names itself) whole."""
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) and not pathlib.Path(name).exists():
+        return name
     return pathlib.PurePath(name).name or name
 
 
