@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pathlib
 import sys
 
 from engine.core.config import ADMISSIONS, LAYOUTS, POLICIES, CoreConfig
@@ -20,8 +21,8 @@ from engine.serve.options import add_proc_arguments, proc_config_from_args
 
 # CoreConfig lives with the core, which knows nothing of command lines: its flags are named here
 CORE_FLAGS = {
-    "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape (default: on a "
-                                                "CPU from the denoiser's rows/s curve, profiled at start; 16 on CUDA)"),
+    "slots": flag("--slots", metavar="N", help="trajectories denoised together, per latent shape (default 16; "
+                                                "--profile-slots: from the denoiser's rows/s curve on a CPU)"),
     "max_input_bytes": flag("--max-input-bytes", metavar="N", help="the largest image or mask a request may send"),
     "layout": flag("--layout", choices=LAYOUTS, help="how a batch is assembled from the active slots"),
     "admission": flag("--admission", choices=ADMISSIONS,
@@ -57,7 +58,18 @@ class ModelOptions:
     """Which model the engine serves, where, and in which dtype."""
 
     model: str = dataclasses.field(default="shapes", metadata=cli(
-        "--model", help="'shapes' (embedded) or a diffusers model folder"))
+        "--model", metavar="FOLDER|HUB_ID|FILE",
+        help="'shapes' (embedded), a diffusers pipeline folder, a Hugging Face hub id (org/name: from the local "
+             "cache, downloaded when absent and online) or a single-file checkpoint (.safetensors/.ckpt)"))
+    revision: str | None = dataclasses.field(default=None, metadata=cli(
+        "--revision", help="a hub id's branch, tag or commit (default: main)"))
+    variant: str | None = dataclasses.field(default=None, metadata=cli(
+        "--variant", help="the weights variant to load, e.g. fp16 (default: the default weights, or the one "
+                          "variant the folder holds)"))
+    config: str | None = dataclasses.field(default=None, metadata=cli(
+        "--config", metavar="FOLDER|HUB_ID",
+        help="a single file's pipeline configs, tokenizers and scheduler: a pipeline folder or hub id of its "
+             "architecture (default: the hub repo diffusers names for it)"))
     device: str | None = dataclasses.field(default=None, metadata=cli(
         "--device", choices=("cpu", "cuda"), help="default: cuda if present"))
     dtype: str = dataclasses.field(default="float32", metadata=cli(
@@ -92,6 +104,9 @@ class ServeOptions:
     # tests only: engine.testing.faults (raise=PROMPT, nan=PROMPT, oom=ROWS)
     inject_faults: str | None = dataclasses.field(default=None, metadata=cli(
         "--inject-faults", metavar="SPEC", help=argparse.SUPPRESS))
+    profile_slots: bool = dataclasses.field(default=False, metadata=cli(
+        "--profile-slots", help="without --slots on a CPU: time the denoiser at 1 to 64 rows a call (up to 10 s at "
+                                "start) and take the slots at the knee of its rows/s curve"))
     core: str | None = dataclasses.field(default=None, metadata=cli(
         "--core", metavar="MODULE:FACTORY",
         help="serve another core behind the same process and IO path (benchmark baselines): FACTORY(model, "
@@ -162,9 +177,11 @@ def serve(args: argparse.Namespace) -> int:
     options = config_from_args(ServeOptions, args)
     model_options = config_from_args(ModelOptions, args)
     adapter_options = config_from_args(AdapterOptions, args)
-    address = options.address or transport.default_address()
     try:  # fail before the slow imports and model load
+        address = transport.normalize_address(options.address or transport.default_address())
         transport.check_bind_address(address, args.allow_remote_bind)
+        if adapter_options.lora_dir and not pathlib.Path(adapter_options.lora_dir).is_dir():
+            raise ValueError(f"--lora-dir {adapter_options.lora_dir}: no such folder")
         proc_config = proc_config_from_args(args, address=address, model_name=str(model_options.model))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -187,15 +204,21 @@ def serve(args: argparse.Namespace) -> int:
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     log.info("loading model %s on %s (%s)", model_options.model, device, model_options.dtype)
-    model = load_model(model_options.model, device, dtype=model_options.dtype)
+    from engine.models import ModelLoadError, ModelNotFound
+
+    try:
+        model = load_model(model_options.model, device, dtype=model_options.dtype, revision=model_options.revision,
+                           variant=model_options.variant, config=model_options.config)
+    except (ModelNotFound, ModelLoadError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     slots = args.slots
-    if slots is None:  # from the denoiser's own curve on a CPU; on CUDA the config's default
-        if device == "cpu":
+    if slots is None:  # the config's default, or on a CPU when asked the knee of the denoiser's own curve
+        slots = CoreConfig.slots
+        if options.profile_slots and device == "cpu":
             from engine.core.profile import profile_slots
 
             slots = profile_slots(model).slots
-        else:
-            slots = CoreConfig.slots
     config = config_from_args(CoreConfig, args, specs=CORE_FLAGS, device=device, slots=slots)
     decode_config = config_from_args(DecodeConfig, args)
     if options.inject_faults:
@@ -233,7 +256,10 @@ def main(argv=None) -> int:
         return qi(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        try:
+            return serve(args)
+        except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing to drain yet
+            return 130
     if args.command == "health":
         import os
 

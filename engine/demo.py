@@ -2,10 +2,11 @@
 
 Starts an engine process (and through it the decode stage), submits a mixed set —
 every prompt the embedded model knows, several step counts, five samplers, guidance 1
-to 5, a negative prompt, and one
-long request canceled midway — writes the images as one PNG grid, prints one table
-row per request with its timings, stops the engine with SIGTERM, and checks that no
-process or /dev/shm segment is left behind.
+to 5, a negative prompt, one long request canceled midway, and on the embedded model an
+img2img and an inpainting edit (each input drawn beside its output) and a request
+through each LoRA adapter shipped with it (beside the same request without) — writes
+the images as one PNG grid, prints one table row per request with its timings, stops
+the engine with SIGTERM, and checks that no process or /dev/shm segment is left behind.
 """
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ import time
 
 import numpy as np
 
-from engine.serve import transport
-from frontend.launcher import launched_engine
 from engine.models.shapes.draw import PROMPTS as SHAPES_PROMPTS
 from engine.protocol import SEGMENT_PREFIX
+from engine.serve import transport
+from frontend.launcher import launched_engine
+
+#: the LoRA adapters trained for the embedded model (engine.models.shapes.train_lora)
+SHAPES_LORAS = pathlib.Path(__file__).resolve().parent / "models" / "shapes" / "loras"
+#: img2img and inpainting settings at which the embedded model does the edit: measured over
+#: seeds 0-7 (tests/test_readme_snippets.py), 8 of 8 read as the prompt by the classifier
+IMG2IMG = dict(strength=0.7, guidance=5.0, steps=20)
+INPAINT = dict(strength=0.9, guidance=5.0, steps=20)
 
 MIXED_SAMPLERS = ("default", "euler", "euler_ancestral", "ddim", "dpmpp_2m")  # the mix the demo runs (of engine.protocol.SAMPLERS)
 STEPS = (8, 15, 25, 40)
@@ -31,7 +39,7 @@ GUIDANCE = (1.0, 3.0, 5.0)
 LONG_STEPS = 200
 
 
-def plan(prompts: list[str]) -> list[dict]:
+def plan(prompts: list[str], adapters: list[str] = ()) -> list[dict]:
     requests = []
     for i, prompt in enumerate(prompts):
         requests.append(dict(prompt=prompt, steps=STEPS[i % len(STEPS)], sampler=MIXED_SAMPLERS[i % len(MIXED_SAMPLERS)],
@@ -44,10 +52,16 @@ def plan(prompts: list[str]) -> list[dict]:
     if "a blue circle" in prompts and "a green square" in prompts:  # the embedded model: edits too
         red_circle, _ = drawn("circle")
         red_square, square = drawn("square")
-        requests.append(dict(prompt="a blue circle", image=_png(red_circle), strength=0.8, steps=20,
-                             sampler="dpmpp_2m", guidance=3.0, seed=2, output="png", edit="img2img of a red circle"))
-        requests.append(dict(prompt="a green square", image=_png(red_square), mask=_png(square), steps=20,
-                             sampler="dpmpp_2m", guidance=3.0, seed=1, output="png", edit="a red square's box repainted"))
+        requests.append(dict(prompt="a blue circle", image=_png(red_circle), sampler="default", seed=2, output="png",
+                             edit="img2img of the input", input=red_circle, **IMG2IMG))
+        requests.append(dict(prompt="a green square", image=_png(red_square), mask=_png(square), sampler="default",
+                             seed=1, output="png", edit="inpainting the input's box",
+                             input=outlined(red_square, square), **INPAINT))
+    if adapters:  # one request without an adapter, then the same with each
+        base = dict(prompt=prompts[min(6, len(prompts) - 1)], steps=20, sampler="dpmpp_2m", guidance=3.0, seed=5,
+                    output="png")
+        requests.append(dict(base, edit="no adapter"))
+        requests += [dict(base, loras={name: 1.0}, edit=f"LoRA {name!r} at 1.0") for name in adapters]
     return requests
 
 
@@ -62,6 +76,16 @@ def drawn(shape: str) -> tuple[np.ndarray, np.ndarray]:
     mask = np.zeros_like(image)
     mask[ys.min() - 2:ys.max() + 3, xs.min() - 2:xs.max() + 3] = 255
     return image, mask
+
+
+def outlined(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """`image` with the edge of `mask`'s white region drawn in white (how the grid shows a mask)."""
+    inside = mask[..., 0] > 127
+    padded = np.pad(inside, 1)
+    interior = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    shown = image.copy()
+    shown[inside & ~interior] = 255
+    return shown
 
 
 def _png(image: np.ndarray) -> bytes:
@@ -79,6 +103,14 @@ def label(spec: dict) -> str:
     if spec.get("edit"):
         text += f"\n{spec['edit']}"
     return f"{text}\n{spec['sampler']} {spec['steps']} g{spec['guidance']:g}"
+
+
+def tiles(requests: list[dict], images: list[np.ndarray | None], labels: list[str]):
+    """The grid's tiles: each request's output, an edit's input just before it."""
+    for spec, image, text in zip(requests, images, labels):
+        if spec.get("input") is not None:
+            yield spec["input"], "input of the next tile" + ("\n(white line: the mask's edge)" if spec.get("mask") else "")
+        yield image, text
 
 
 def grid(images: list[np.ndarray | None], labels: list[str], columns: int = 5, scale: int = 4) -> np.ndarray:
@@ -117,11 +149,12 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
         prompts = [p for p in welcome.prompts if p] or list(SHAPES_PROMPTS)
         print(f"engine pid {welcome.engine_pid} on {address}: model {welcome.model} ({welcome.pipeline}), "
               f"{len(prompts)} prompts, native size {welcome.native_size}")
-        requests = plan(prompts)
+        adapters = client.adapters() if welcome.model == "shapes" else []
+        requests = plan(prompts, adapters)
         started = time.monotonic()
         handles = []
         for spec in requests:
-            params = GenerateParams(**{k: v for k, v in spec.items() if k not in ("cancel_at", "edit")})
+            params = GenerateParams(**{k: v for k, v in spec.items() if k not in ("cancel_at", "edit", "input")})
             handles.append(client.submit(params, progress="cancel_at" in spec))
         for spec, handle in zip(requests, handles):
             if "cancel_at" in spec:
@@ -143,7 +176,7 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
     looks = _classify(images) if welcome.model == "shapes" else [""] * len(images)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     labels = [label(spec) + (f"\nreads: {look}" if look else "") for spec, look in zip(requests, looks)]
-    Image.fromarray(grid(images, labels)).save(out_path)
+    Image.fromarray(grid(*zip(*tiles(requests, images, labels)))).save(out_path)
 
     header = (f"{'#':>2} {'prompt':<18} {'sampler':<15} {'steps':>5} {'g':>3} {'result':<9} {'queue_s':>8} "
               f"{'encode_s':>8} {'denoise_s':>9} {'dec_wait':>8} {'decode_s':>8} {'total_s':>8} {'evals':>5} "
@@ -160,7 +193,11 @@ def run(command: list[str], address: str, out_path: pathlib.Path, log_path: path
               f"{outcome:<9} {cells}  {look}")
         expected = Canceled if "cancel_at" in spec else Completed
         ok &= isinstance(result, expected)
-    print(f"\n{len(results)} requests in {wall:.2f}s wall; useful/total evals "
+    # denoiser evaluations: those of completed requests over all spent, the canceled request's included
+    useful = sum(r.timings.evals for r in results if isinstance(r, Completed))
+    spent = sum(r.timings.evals for r in results if getattr(r, "timings", None) is not None)
+    print(f"\n{len(results)} requests in {wall:.2f}s wall; useful/total evals {useful}/{spent} = "
+          f"{useful / max(1, spent):.3f} (canceled: {spent - useful}); engine's padded-row ratio "
           f"{stats.get('useful_ratio', float('nan')):.3f}; grid written to {out_path}")
 
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"{SEGMENT_PREFIX}{engine_pid}")] \
@@ -189,8 +226,13 @@ def engine_command(args: argparse.Namespace, address: str) -> list[str]:
                "--layout", args.layout, "--admission", args.admission,
                "--max-queue", str(args.max_queue), "--dtype", args.dtype,
                *(["--decode-workers", str(args.decode_workers)] if args.decode_workers is not None else [])]
-    if args.device:
-        command += ["--device", args.device]
+    for flag, value in (("--revision", args.revision), ("--variant", args.variant), ("--config", args.config),
+                        ("--device", args.device)):
+        if value:
+            command += [flag, value]
+    lora_dir = args.lora_dir or (str(SHAPES_LORAS) if args.model == "shapes" and SHAPES_LORAS.is_dir() else None)
+    if lora_dir:
+        command += ["--lora-dir", lora_dir]
     if not args.cuda_graphs:
         command += ["--no-cuda-graphs"]
     return command

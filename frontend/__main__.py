@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import secrets
 import signal
 import sys
 
@@ -27,7 +28,7 @@ PARAM_FLAGS = {
     "steps": flag("--steps", help="denoising steps"),
     "sampler": flag("--sampler", help=f"one of {', '.join(SAMPLERS)}"),
     "guidance": flag("--guidance", help="the pipeline's guidance_scale"),
-    "seed": flag("--seed", help="the request's random seed"),
+    "seed": flag("--seed", help="the request's random seed (default: a fresh random one, printed)"),
     "output": flag("--output-kind", dest="output_kind", choices=OUTPUT_KINDS,
                    help="png; uint8 and latent are saved as .npy"),
     "height": flag("--height", help="default: the model's native size, or the --image's"),
@@ -38,7 +39,7 @@ PARAM_FLAGS = {
                   help="a step cache for this request: first_block, mag, taylorseer, or off (default: the server's)"),
 }
 # the empty negative prompt unless told otherwise, on every pipeline (SDXL zeroes an absent one instead)
-PARAM_DEFAULTS = {"negative_prompt": ""}
+PARAM_DEFAULTS = {"negative_prompt": "", "seed": None}
 
 
 @dataclasses.dataclass
@@ -92,11 +93,13 @@ def generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.seed is None:  # as the HTTP API: a fresh seed, printed so the image can be made again
+        args.seed = secrets.randbelow(2**31)
     params = config_from_args(GenerateParams, args, specs=PARAM_FLAGS, **inputs)
     try:
         client = Client(engine.address, connect_timeout=engine.timeout_s)
         client.connect()
-    except ConnectionError as exc:
+    except (ConnectionError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     interrupted = False
@@ -131,7 +134,7 @@ def generate(args: argparse.Namespace) -> int:
             np.save(out, result.output)
         t = result.timings
         image_encode = f", image encode {t.image_encode_s:.3f}" if t.image_encode_s else ""
-        print(f"{out}: {t.total_s:.3f}s (queue {t.queue_s:.3f}{image_encode}, denoise {t.denoise_s:.3f}, "
+        print(f"{out}: seed {params.seed}, {t.total_s:.3f}s (queue {t.queue_s:.3f}{image_encode}, denoise {t.denoise_s:.3f}, "
               f"decode wait {t.decode_wait_s:.3f}, decode {t.decode_s:.3f}; {t.evals} evals)")
         return 0
     if isinstance(result, Canceled):
@@ -170,7 +173,7 @@ def stats(args: argparse.Namespace) -> int:
     try:
         with Client(config_from_args(EngineOptions, args).address, connect_timeout=10) as client:
             print(json.dumps(client.stats(), indent=1, sort_keys=True))
-    except ConnectionError as exc:
+    except (ConnectionError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -196,12 +197,48 @@ class RequestHandle:
                 log.exception("done callback of request %s failed", self.request_id)
 
 
+#: how long a client waits for something to listen at its address before it fails: an
+#: engine binds its socket only once its model is loaded, so nothing there is a wrong
+#: address, or an engine not started yet (whose starter retries, as the launcher does)
+LISTEN_WAIT_S = 2.0
+
+
+def _check_listening(address: str, wait_s: float) -> None:
+    """Raise ConnectionError, saying what was tried, unless something listens at `address`
+    within `wait_s`: an ipc socket file that accepts, or a TCP port that accepts."""
+    deadline = time.monotonic() + wait_s
+    scheme, _, rest = address.partition("://")
+    while True:
+        if scheme == "ipc":
+            path = transport.ipc_path(address)
+            if transport.ipc_in_use(path):
+                return
+            why = "nothing listens on that socket file" if path.exists() else f"there is no socket file {path}"
+        elif scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, wait_s)):
+                    return
+            except ValueError:
+                raise ConnectionError(f"address {address!r}: tcp://HOST:PORT needs a numeric port") from None
+            except socket.gaierror as exc:
+                raise ConnectionError(f"no engine at {address}: cannot resolve {host!r} ({exc.strerror})") from None
+            except OSError as exc:
+                why = exc.strerror or str(exc) or type(exc).__name__
+        else:  # inproc and the like: zmq itself says
+            return
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"no diffslot engine at {address}: {why} (waited {wait_s:g}s; start one with "
+                                  "`python -m engine serve`, which prints its address)")
+        time.sleep(0.05)
+
+
 class Client:
     """A connection to one engine. Use as a context manager, or call connect()/close()."""
 
     def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = "",
                  token: str | None = None, curve: CurveKeys | None = None):
-        self.address = address or transport.discover_address()
+        self.address = transport.normalize_address(address or transport.discover_address())
         self.connect_timeout = connect_timeout
         self.name = name
         self.token = token if token is not None else os.environ.get("DIFFSLOT_TOKEN", "")
@@ -233,6 +270,7 @@ class Client:
         within `connect_timeout` (an engine still loading its model is waited for)."""
         if self._thread is not None:
             raise RuntimeError("already connected")
+        _check_listening(self.address, min(LISTEN_WAIT_S, self.connect_timeout))
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)

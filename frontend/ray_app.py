@@ -75,7 +75,9 @@ class AppConfig:
     """The Serve application (`build_app`): its replicas and each one's engine."""
 
     model: str = dataclasses.field(default="shapes", metadata=cli(
-        "--model", help="shapes or a model folder (on every node)"))
+        "--model", help="shapes, a model folder or single file (on every node), or a hub id"))
+    lora_dir: str | None = dataclasses.field(default=None, metadata=cli(
+        "--lora-dir", metavar="DIR", help="each engine's --lora-dir: the LoRA adapters it serves (on every node)"))
     replicas: int = dataclasses.field(default=1, metadata=cli("--replicas", help="replicas, one engine each"))
     slots: int = dataclasses.field(default=8, metadata=cli("--slots", help="each engine's --slots"))
     decode_workers: int = dataclasses.field(default=1, metadata=cli(
@@ -184,6 +186,8 @@ class EngineReplica:
 
 def engine_arguments(config: AppConfig, device: str | None) -> list[str]:
     args = ["--model", str(config.model), "--slots", str(config.slots), "--decode-workers", str(config.decode_workers)]
+    if config.lora_dir:
+        args += ["--lora-dir", str(config.lora_dir)]
     if device:
         args += ["--device", device]
     return args + list(config.engine_extra)
@@ -246,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(AppConfig, args)
+    if config.lora_dir and not pathlib.Path(config.lora_dir).is_dir():  # before a cluster starts for nothing
+        print(f"error: --lora-dir {config.lora_dir}: no such folder", file=sys.stderr)
+        return 2
     server = config_from_args(ServerOptions, args)
     cluster = config_from_args(DriverOptions, args)
     limits = config_from_args(GatewayLimits, args, api_keys=list(keys_from(args.api_keys)),

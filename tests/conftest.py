@@ -126,6 +126,9 @@ CONCERNS = {
     # tools: the fluid queue model and its browser page
     "tests/test_fluid.py": ("tools",),
     "tests/test_queue_instrument_browser.py": ("tools",),
+    # a new user's first hour: model sources, install, errors, the README's snippets, shipped adapters
+    "tests/test_first_hour.py": ("models", "processes"),
+    "tests/test_readme_snippets.py": ("processes", "http"),
     # bench_smoke: benchmark scripts run once, quickly
     "tests/test_bench_scripts_smoke.py": ("bench_smoke",),
     "tests/test_bench_smoke.py": ("bench_smoke",),

@@ -95,7 +95,7 @@ class _Worker:
 def _model_folder(model) -> pathlib.Path:
     """The folder of a model name, folder or loaded model (workers load the VAE from it)."""
     if hasattr(model, "geometry") and hasattr(model, "path"):  # a loaded DiffusionModel
-        return pathlib.Path(model.path)
+        return pathlib.Path(getattr(model, "decode_folder", None) or model.path)
     from engine.models import SHAPES_DIR
 
     path = SHAPES_DIR if str(model) == "shapes" else pathlib.Path(model).expanduser().resolve()

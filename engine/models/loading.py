@@ -19,18 +19,22 @@ embeddings are the pipeline's. The denoising loop is the core's, not the pipelin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
 import json
+import os
 import pathlib
+import re
+import shutil
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from engine.models import resolve
+from engine.models import ModelLoadError, is_single_file, one_line, resolve
 from engine.models.geometry import Geometry, geometry_from_configs, pipeline_class_of
 from engine.models.inputs import ModelInputs
 from engine.protocol import MICRO_CONDITIONING
@@ -52,6 +56,166 @@ def prediction_type_of(scheduler_config: dict) -> str:
         return "flow"
     pred = scheduler_config.get("prediction_type", "epsilon")
     return {"flow_prediction": "flow", "original_sample": "sample"}.get(pred, pred)
+
+
+#: the weights' dtype keyword of `from_pretrained`: `dtype` where diffusers has it (it warns at `torch_dtype`)
+_DTYPE_KEYWORD = "dtype" if hasattr(importlib.import_module("diffusers.utils.deprecation_utils"),
+                                    "_resolve_dtype") else "torch_dtype"
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Load without diffusers' and transformers' progress bars and notices (optional
+    backends not installed, casts): what the engine says about a load is its own log line,
+    and real errors still raise."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(levels[0])
+        transformers_logging.set_verbosity(levels[1])
+        diffusers_logging.enable_progress_bar()
+        transformers_logging.enable_progress_bar()
+
+
+def _weights_variant(name: str) -> tuple[str, str | None] | None:
+    """(weights kind, variant or None) of a weights file as diffusers and transformers save
+    them (`diffusion_pytorch_model.fp16.safetensors`, `model-00001-of-00002.safetensors`,
+    `model.safetensors.index.fp16.json`), or None for any other file."""
+    index = re.fullmatch(r"(diffusion_pytorch_model|model|pytorch_model)\.(safetensors|bin)\.index(?:\.(\w+))?\.json",
+                         name)
+    if index:
+        return index.group(1), index.group(3)
+    unsharded = re.sub(r"-\d+-of-\d+", "", name)  # model-00001-of-00002.fp16.safetensors, or .fp16-00001-of-...
+    plain = re.fullmatch(r"(diffusion_pytorch_model|model|pytorch_model)(?:\.(\w+))?\.(safetensors|bin)", unsharded)
+    return (plain.group(1), plain.group(2)) if plain else None
+
+
+def saved_variants(folder: pathlib.Path) -> set[str | None]:
+    """The weight variants a component folder holds (None: the default weights)."""
+    found = (_weights_variant(f.name) for f in pathlib.Path(folder).iterdir() if f.is_file()) \
+        if pathlib.Path(folder).is_dir() else ()
+    return {kind_variant[1] for kind_variant in found if kind_variant is not None}
+
+
+def folder_variant(folder: pathlib.Path) -> str | None:
+    """The variant a component folder loads with when none is asked for: None where it has
+    the default weights, else the one variant it holds (a folder saved with `variant="fp16"`
+    alone, a very common download)."""
+    variants = saved_variants(folder)
+    if None in variants or len(variants) != 1:
+        return None
+    return next(iter(variants))
+
+
+def _components(path: pathlib.Path) -> dict[str, tuple[str, str]]:
+    """{component: (library, class)} of a pipeline folder's model_index.json, the saved ones only."""
+    index = json.loads((path / "model_index.json").read_text())
+    return {name: (value[0], value[1]) for name, value in index.items()
+            if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] and value[1]}
+
+
+def _has_weights(class_name: str) -> bool:
+    """Whether a component of this class is a model that loads weights (not a tokenizer,
+    a scheduler or a processor)."""
+    return not any(word in class_name for word in ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor"))
+
+
+def check_pipeline_folder(path: pathlib.Path, variant: str | None) -> str | None:
+    """The variant every weighted component of a pipeline folder loads with (`variant`, or
+    the one the folder holds when none is asked for); raises ModelLoadError naming the
+    first component that cannot load, before any weights are read."""
+    chosen = variant
+    for name, (_, class_name) in _components(path).items():
+        folder = path / name
+        if not folder.is_dir():
+            raise ModelLoadError(f"{path}: component {name} ({class_name}) has no folder {name}/")
+        if not _has_weights(class_name):
+            continue
+        if not (folder / "config.json").exists():
+            raise ModelLoadError(f"{path}: component {name} ({class_name}) has no {name}/config.json")
+        variants = saved_variants(folder)
+        if not variants:
+            raise ModelLoadError(f"{path}: component {name} ({class_name}) has no weights file in {name}/")
+        wanted = chosen if chosen is not None else folder_variant(folder)
+        if wanted not in variants and None not in variants:  # diffusers falls back to the default weights
+            held = ", ".join(sorted("default" if v is None else v for v in variants))
+            raise ModelLoadError(f"{path}: component {name} ({class_name}) has no "
+                                 f"{'default' if wanted is None else wanted} weights (it holds: {held})"
+                                 + ("" if variant else "; pass --variant"))
+        if wanted in variants:
+            chosen = wanted
+    return chosen
+
+
+def locate_failure(path: pathlib.Path, variant: str | None, dtype: torch.dtype, exc: BaseException) -> ModelLoadError:
+    """Which component of a pipeline folder fails to load, and why, in one line: each is
+    loaded alone (only on the error path) until one raises."""
+    for name, (library, class_name) in _components(path).items():
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+            kwargs = {"variant": variant, _DTYPE_KEYWORD: dtype} if _has_weights(class_name) else {}
+            with quiet_loading():
+                cls.from_pretrained(path / name, **kwargs)
+        except Exception as component_exc:  # noqa: BLE001 - reported, with its component
+            return ModelLoadError(f"{path}: cannot load component {name} ({class_name}): {one_line(component_exc)}")
+    return ModelLoadError(f"{path}: the pipeline does not load: {one_line(exc)}")
+
+
+#: single-file checkpoints by the model type diffusers infers from their keys -> the pipeline serving them
+_SINGLE_FILE_PIPELINES = {"v1": "StableDiffusionPipeline", "v2": "StableDiffusionPipeline",
+                          "xl_base": "StableDiffusionXLPipeline", "playground-v2-5": "StableDiffusionXLPipeline",
+                          "sd3": "StableDiffusion3Pipeline", "sd35_large": "StableDiffusion3Pipeline",
+                          "sd35_medium": "StableDiffusion3Pipeline", "flux-dev": "FluxPipeline",
+                          "flux-schnell": "FluxPipeline"}
+
+
+def single_file_pipeline(file: pathlib.Path, config: pathlib.Path | None) -> str:
+    """The pipeline class of a single-file checkpoint: its `config` folder's, else the one
+    diffusers infers from the checkpoint's keys."""
+    if config is not None:
+        return pipeline_class_of(config)
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type, load_single_file_checkpoint
+
+    try:
+        model_type = infer_diffusers_model_type(load_single_file_checkpoint(str(file), local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - not a checkpoint diffusers reads
+        raise ModelLoadError(f"{file}: not a checkpoint diffusers can read: {one_line(exc)}") from None
+    if model_type not in _SINGLE_FILE_PIPELINES:
+        raise ModelLoadError(f"{file}: a {model_type!r} checkpoint; single files served: SD 1.x/2.x, SDXL base, "
+                             "SD3, FLUX.1 (or pass --config FOLDER, a pipeline folder of the same architecture)")
+    return _SINGLE_FILE_PIPELINES[model_type]
+
+
+def decode_folder_of(file: pathlib.Path, pipe) -> pathlib.Path:
+    """A folder holding the configs and the VAE of a pipeline loaded from one file, which
+    decode worker processes load their VAE from (as from a pipeline folder); written once
+    per checkpoint under the user's cache directory."""
+    import hashlib
+
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    folder = cache / "diffslot" / "single-file" / f"{file.stem}-{key}"
+    if not (folder / "vae" / "config.json").exists():
+        partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+        pipe.save_config(partial)
+        for name, component in pipe.components.items():
+            if name == "vae":
+                component.save_pretrained(partial / name, safe_serialization=True)
+            elif hasattr(component, "save_config") and hasattr(component, "config"):
+                component.save_config(partial / name)
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return folder
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,7 +249,9 @@ class VaeDecoder:
 
         if is_qwen_image_vae(path):  # a one-frame video VAE, decoded as its pipeline decodes
             return QwenImageVaeDecoder.from_folder(path, device)
-        vae = AutoencoderKL.from_pretrained(pathlib.Path(path) / "vae", low_cpu_mem_usage=False)
+        with quiet_loading():
+            vae = AutoencoderKL.from_pretrained(pathlib.Path(path) / "vae", low_cpu_mem_usage=False,
+                                                variant=folder_variant(pathlib.Path(path) / "vae"))
         device = torch.device(device)
         return cls(vae.to(device).eval().requires_grad_(False), device)
 
@@ -117,6 +283,7 @@ class DiffusionModel:
     vae = None
     prompts: tuple[str, ...] = ()  # known prompts (class-conditional models); () for free text
     denoiser_is_unet = True
+    decode_folder: pathlib.Path | None = None  # where decode workers load the VAE from, if not `path` (a single file)
 
     @property
     def prediction_type(self) -> str:
@@ -129,9 +296,9 @@ class DiffusionModel:
     @property
     def name(self) -> str:
         """What clients are told the model is: `shapes` for the embedded one, else its folder's name."""
-        from engine.models import SHAPES_DIR
+        from engine.models import display_name
 
-        return "shapes" if pathlib.Path(self.path) == SHAPES_DIR else pathlib.Path(self.path).name
+        return display_name(self.path)
 
     @functools.cached_property
     def geometry(self) -> Geometry:
@@ -640,50 +807,104 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def load_model(name_or_path: str | pathlib.Path = "shapes", device: str | torch.device = "cpu",
-               load_vae: bool = True, dtype: torch.dtype | str = torch.float32) -> DiffusionModel:
-    """The model of a folder (or the embedded `shapes`), ready for the core. `dtype` is the
-    weights' (and so the denoiser's and encoders') dtype, as `torch_dtype` in
-    `from_pretrained`; the engine's latents and solver state stay float32 either way."""
-    path = resolve(name_or_path)
-    device = torch.device(device)
+               load_vae: bool = True, dtype: torch.dtype | str = torch.float32, *, revision: str | None = None,
+               variant: str | None = None, config: str | pathlib.Path | None = None) -> DiffusionModel:
+    """The model of a folder, a hub id, a single-file checkpoint (or the embedded `shapes`),
+    ready for the core (see `engine.models.resolve`). `dtype` is the weights' (and so the
+    denoiser's and encoders') dtype, as `torch_dtype` in `from_pretrained`; the engine's
+    latents and solver state stay float32 either way. `variant`: the weights variant to
+    load (e.g. fp16; default: the default weights, or the one variant a folder holds).
+    `config`: for a single file, the pipeline folder (or hub id) whose configs, tokenizers
+    and scheduler it is loaded with, where diffusers cannot fetch them itself."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    path = resolve(name_or_path, revision=revision, variant=variant)
+    device = torch.device(device)
+    if is_single_file(path):
+        return _load_single_file(path, config, device, dtype)
+    if config is not None:
+        raise ValueError(f"--config applies to a single-file checkpoint; {path} is a folder")
     kind = pipeline_class_of(path)
     if kind == "class-conditional":
         from diffusers import AutoencoderKL, UNet2DModel
 
-        unet = UNet2DModel.from_pretrained(path / "unet", low_cpu_mem_usage=False, torch_dtype=dtype)
+        def component(cls, name):
+            try:
+                with quiet_loading():
+                    return cls.from_pretrained(path / name, low_cpu_mem_usage=False, **{_DTYPE_KEYWORD: dtype},
+                                               variant=variant or folder_variant(path / name))
+            except Exception as exc:  # noqa: BLE001 - one line, naming the component
+                raise ModelLoadError(f"{path}: cannot load component {name} ({cls.__name__}): {one_line(exc)}") \
+                    from None
+
+        unet = component(UNet2DModel, "unet")
         vae = None
         if load_vae:
-            vae = AutoencoderKL.from_pretrained(path / "vae", low_cpu_mem_usage=False, torch_dtype=dtype)
-            vae = vae.to(device).eval().requires_grad_(False)
+            vae = component(AutoencoderKL, "vae").to(device).eval().requires_grad_(False)
         scheduler_config = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
         conditions = json.loads((path / "conditions.json").read_text())
         return ClassConditionalModel(path, unet.to(device).eval().requires_grad_(False), vae, scheduler_config,
                                      conditions, device, dtype)
-    model_class = model_class_of(kind)
-    if model_class is None:
-        raise ValueError(f"{path}: pipeline {kind!r} is not served; one of {', '.join(_PIPELINES)} "
-                         "or the class-conditional layout")
+    model_class = _served_class(kind, path)
     import diffusers
 
+    variant = check_pipeline_folder(path, variant)
     index = json.loads((path / "model_index.json").read_text())
     # optional components saved as None (SD3 without T5) must be passed as None to load
     absent = {name: None for name, value in index.items()
               if not name.startswith("_") and isinstance(value, list) and value[0] is None}
-    pipe = getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False, torch_dtype=dtype, **absent)
+    try:
+        with quiet_loading():
+            pipe = getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False, variant=variant,
+                                                            **{_DTYPE_KEYWORD: dtype}, **absent)
+    except Exception as exc:  # noqa: BLE001 - said in one line, naming the component that fails
+        raise locate_failure(path, variant, dtype, exc) from None
+    return model_class(path, _prepared(pipe, device, dtype), device, dtype)
+
+
+def _served_class(kind: str, where) -> type[DiffusionModel]:
+    model_class = model_class_of(kind)
+    if model_class is None:
+        raise ModelLoadError(f"{where}: pipeline {kind!r} is not served; one of {', '.join(_PIPELINES)} "
+                             "or the class-conditional layout")
+    return model_class
+
+
+def _prepared(pipe, device: torch.device, dtype: torch.dtype):
+    """A loaded pipeline in `dtype` on `device`, in eval mode without gradients."""
     pipe.set_progress_bar_config(disable=True)
     for component in pipe.components.values():
         # diffusers loads some models (SD3's transformer, with low_cpu_mem_usage=False) in
         # float32 whatever torch_dtype says; modules that keep parts in float32 on purpose
         # (T5's `wo`) say so and are left as loaded
-        if isinstance(component, torch.nn.Module) and not getattr(component, "_keep_in_fp32_modules", None):
+        if isinstance(component, torch.nn.Module) and not getattr(component, "_keep_in_fp32_modules", None) \
+                and any(p.dtype != dtype for p in component.parameters()):
             component.to(dtype)
     pipe = pipe.to(device)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval().requires_grad_(False)
-    return model_class(path, pipe, device, dtype)
+    return pipe
 
+
+def _load_single_file(file: pathlib.Path, config, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+    """A single-file checkpoint through the pipeline's own `from_single_file`: its
+    components' configs from `config` (a folder or hub id), else from the hub repo
+    diffusers names for the checkpoint's architecture (its cache, or a download)."""
+    import diffusers
+
+    config_folder = None if config is None else resolve(config)
+    kind = single_file_pipeline(file, config_folder)
+    model_class = _served_class(kind, file)
+    kwargs = {} if config_folder is None else {"config": str(config_folder)}
+    try:
+        with quiet_loading():
+            pipe = getattr(diffusers, kind).from_single_file(str(file), **{_DTYPE_KEYWORD: dtype}, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - one line: which part and why
+        hint = "" if config is not None else " (pass --config FOLDER: a pipeline folder of its architecture)"
+        raise ModelLoadError(f"{file}: {kind}.from_single_file failed: {one_line(exc)}{hint}") from None
+    model = model_class(file, _prepared(pipe, device, dtype), device, dtype)
+    model.decode_folder = decode_folder_of(file, pipe)
+    return model

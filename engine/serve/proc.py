@@ -53,6 +53,7 @@ import logging
 import os
 import pathlib
 import queue
+import re
 import signal
 import threading
 import time
@@ -91,8 +92,15 @@ IDLE_WAIT_S = 1.0  # longest sleep of an idle busy loop: it beats at least this 
 REJECTIONS_LOGGED_PER_S = 10  # at INFO; the rest at DEBUG (all of them are counted in the metrics)
 
 
+class StartupError(RuntimeError):
+    """The engine cannot start, for the reason the message gives in one line (what it tried)."""
+
+
 def model_label(name: str) -> str:
-    """What clients are told the model is: its folder's name, never the path on this host."""
+    """What clients are told the model is: its folder's name, never the path on this host;
+    a hub id (org/name, as a model loaded from the hub's cache names itself) whole."""
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) and not pathlib.Path(name).exists():
+        return name
     return pathlib.PurePath(name).name or name
 
 
@@ -141,11 +149,20 @@ class EngineCoreProc:
             max_input_bytes=self.max_input_bytes)
         self.waker = transport.Waker()
         self.io = IOThread(router, config, welcome, self.inputs, self.output_queue, self.waker, self.heartbeat)
-        self.decode_stage = make_decode_stage(lambda: self.inputs.control.put(WAKE))
+        self.decode_stage = None
+        try:  # what fails here must not leave the socket, its file or decode workers behind
+            if config.metrics_port is not None:  # before the decode workers: the cheap failure first
+                try:
+                    self.metrics.start_server(config.metrics_port)
+                except OSError as exc:
+                    raise StartupError(f"cannot serve metrics on 127.0.0.1:{config.metrics_port}: "
+                                       f"{exc.strerror or exc}") from exc
+            self.decode_stage = make_decode_stage(lambda: self.inputs.control.put(WAKE))
+        except BaseException:
+            self._close_unstarted(router)
+            raise
         self.delivery = Delivery(self.book, core, self.decode_stage, self.metrics, self._send,
                                  coalesce_progress=config.coalesce_progress)
-        if config.metrics_port is not None:
-            self.metrics.start_server(config.metrics_port)
         self.metrics.watch_step(self.heartbeat.step_running_s)
         self.watchdog = StepWatchdog(self.heartbeat, config.step_timeout_s, self._on_hang) \
             if config.step_timeout_s > 0 else None
@@ -176,6 +193,26 @@ class EngineCoreProc:
         if ipc_file is not None:
             self._ipc_file = str(ipc_file)
         return router
+
+    def _close_unstarted(self, router: zmq.Socket) -> None:
+        """Undo a start that failed before the IO thread ran: the metrics server, the decode
+        stage if it started, the socket and its file, so the process can exit at once."""
+        self.metrics.stop_server()
+        if self.decode_stage is not None:
+            try:
+                self.decode_stage.close()
+            except Exception:
+                log.exception("closing the decode stage failed")
+        router.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.ctx.term()
+        self.waker.close()
+        if self._ipc_file and os.path.exists(self._ipc_file):
+            try:
+                os.unlink(self._ipc_file)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -524,6 +561,9 @@ def run_engine(core: CoreInterface, config: ProcConfig, make_decode_stage) -> in
     """Bind, serve until SIGTERM/SIGINT, clean up. Prints one 'ready' line on stdout."""
     try:
         proc = EngineCoreProc(core, config, make_decode_stage)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 2
     except (OSError, ValueError, zmq.ZMQError) as exc:
         log.error("cannot serve on %s: %s", config.address, exc)
         return 2

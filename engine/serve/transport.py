@@ -48,6 +48,17 @@ def ipc_path(address: str) -> pathlib.Path | None:
     return pathlib.Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
 
 
+def normalize_address(address: str) -> str:
+    """`address` with its scheme: HOST:PORT (no scheme) is tcp://HOST:PORT; anything else
+    without `ipc://` or `tcp://` is refused, naming both forms."""
+    if "://" in address:
+        return address
+    host, sep, port = address.rpartition(":")
+    if sep and host and port.isdigit():
+        return f"tcp://{address}"
+    raise ValueError(f"address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
 def check_bind_address(address: str, allow_remote: bool = False) -> None:
     """Refuse to expose the engine beyond this machine unless asked to."""
     scheme, sep, rest = address.partition("://")

@@ -311,7 +311,7 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
     async def generations(request: Request) -> Response:
         body = await read_body(request, limits.max_body_bytes)
         await link.client()  # 503 at once without an engine; its Welcome names the model and budgets
-        return await serve(request, parse_generation(body, link.models))
+        return await serve(request, parse_generation(body, link.models, adapters_as_models=True))
 
     @app.post(EDITS_PATH, openapi_extra=edit_doc,
               responses={**images_ok, **error_responses(400, 401, 404, 413, 429, 500, 503)})
@@ -319,9 +319,13 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
         body = await read_body(request, limits.max_upload_bytes)
         await link.client()
         return await serve(request, parse_edit(request.headers.get("content-type", ""), body, link.models,
-                                               link.welcome.max_input_bytes))
+                                               link.welcome.max_input_bytes, adapters_as_models=True))
 
     async def serve(request: Request, gen: Generation) -> Response:
+        if gen.adapter is not None and gen.adapter not in await adapter_names():
+            raise APIError(404, f"The model '{gen.adapter}' does not exist; this server serves "
+                                f"{link.models[0]!r} and its LoRA adapters (GET /v1/models).", param="model",
+                           code="model_not_found")
         welcome = link.welcome
         check_fits(gen, welcome.output_budget_bytes, welcome.native_size)
         caller = caller_of(request.scope)
@@ -350,16 +354,19 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
 
     add_batch_routes(app, state, link, limits, batch, webhooks is not None, runner.wake)
 
-    @app.get("/v1/models", responses={**ok_response("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
-                                      **error_responses(401, 429, 503)})
-    async def models() -> Response:
+    async def adapter_names() -> list[str]:
         client = await link.client()
         try:
-            adapters = await client.adapters()  # a round trip: adapters come and go in the engine's folder
+            return await client.adapters()  # a round trip: adapters come and go in the engine's folder
         except (EngineDeadError, ConnectionError, RuntimeError) as exc:
             raise link.lost(exc) from None
         except TimeoutError:
             raise engine_unavailable("the engine did not answer in time") from None
+
+    @app.get("/v1/models", responses={**ok_response("The served model", {JSON: {"schema": schema_ref(ModelList)}}),
+                                      **error_responses(401, 429, 503)})
+    async def models() -> Response:
+        adapters = await adapter_names()
         return Response(models_response(link.models[:1], link.created, adapters), media_type=JSON)
 
     @app.get("/health", responses={**ok_response("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),

@@ -39,6 +39,9 @@ from frontend.http.options import LinkOptions
 
 log = logging.getLogger("diffslot.http")
 
+#: how often the gateway says it is still waiting for its engine
+WAITING_LOGGED_EVERY_S = 10.0
+
 #: the phrase of the engine's Rejected reason while it drains (engine.serve.proc)
 SHUTTING_DOWN = "shutting down"
 
@@ -273,6 +276,7 @@ class EngineLink:
         old, self._client = self._client, None
         if old is not None:  # a dead one: its IO thread is gone or going
             await old.__aexit__(None, None, None)
+        waiting_since, told_at = time.monotonic(), float("-inf")
         while not self._closed:
             fresh = AsyncClient(self.address, connect_timeout=self.connect_timeout_s, name="diffslot-http",
                                 **self.client_kwargs)
@@ -283,7 +287,13 @@ class EngineLink:
                 raise
             except (ConnectionError, EngineDeadError, OSError) as exc:
                 self._last_error = str(exc) or type(exc).__name__
-                log.debug("engine at %s not reachable: %s", self.address, self._last_error)
+                now = time.monotonic()
+                if now - told_at >= WAITING_LOGGED_EVERY_S:  # visible, without a line per retry
+                    told_at = now
+                    log.info("waiting for the engine at %s (%.0fs so far; retrying every %gs): %s", self.address,
+                             now - waiting_since, self.retry_interval_s, self._last_error)
+                else:
+                    log.debug("engine at %s not reachable: %s", self.address, self._last_error)
                 await asyncio.sleep(self.retry_interval_s)
                 continue
             if self._closed:

@@ -133,6 +133,7 @@ class Generation(msgspec.Struct, frozen=True):
     default_hw: tuple[int, int] | None = None  # (height, width) of the output when size is absent (an edit's image)
     priority: int | None = None  # asked for (checked, not yet capped: `with_priority`); None: the caller's default
     response_format: str = "b64_json"  # or "url": the images go to the output store, the response links them
+    adapter: str | None = None  # the LoRA adapter `model` named, if it named one
 
     def with_priority(self, priority: int) -> "Generation":
         """The same request at the engine priority it runs at."""
@@ -174,17 +175,25 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     return height, width
 
 
-def parse_generation(body: bytes, served_models: tuple[str, ...]) -> Generation:
-    """Decode and check a request body; raises APIError (400/404) naming the parameter."""
+def parse_generation(body: bytes, served_models: tuple[str, ...], adapters_as_models: bool = False) -> Generation:
+    """Decode and check a request body; raises APIError (400/404) naming the parameter.
+    `adapters_as_models`: a `model` that is not the served one names a LoRA adapter
+    (`Generation.adapter`; the caller checks that the engine has it)."""
     try:
         req = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise decode_error(exc) from None
-    return _generation(req, served_models)
+    return _generation(req, served_models, adapters_as_models)
 
 
-def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **inputs) -> Generation:
-    if req.model not in (None, "") and req.model not in served_models:
+def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], adapters_as_models: bool = False,
+                **inputs) -> Generation:
+    adapter = None
+    if req.model not in (None, "") and req.model not in served_models and adapters_as_models:
+        # an adapter addressed as a model (vLLM's convention): the adapter at scale 1 beside any named in loras
+        adapter = req.model
+        req = msgspec.structs.replace(req, loras={adapter: 1.0, **(req.loras or {})})
+    elif req.model not in (None, "") and req.model not in served_models:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(m) for m in served_models[:1])}.", param="model", code="model_not_found")
     if req.response_format not in (None, "b64_json", "url"):
@@ -245,7 +254,7 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], **i
     except (TypeError, ValueError) as exc:  # GenerateParams does not validate; kept for safety
         raise bad_request(str(exc)) from None
     size = "auto" if height is None else f"{width}x{height}"
-    return Generation(model=req.model or served_models[0], params=params, size=size, stream=stream,
+    return Generation(model=req.model or served_models[0], params=params, size=size, stream=stream, adapter=adapter,
                       partial_images=partial, event="image_edit" if "image" in inputs else "image_generation",
                       default_hw=_header_size(inputs.get("image")), priority=priority,
                       response_format=req.response_format or "b64_json")
@@ -344,7 +353,8 @@ def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str
     return fields, files
 
 
-def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], max_input_bytes: int) -> Generation:
+def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], max_input_bytes: int,
+               adapters_as_models: bool = False) -> Generation:
     """Read and check an edits form; raises APIError (400/404) naming the parameter.
     Values are text in a form: numbers and booleans are read from it, the structured
     extras from JSON text (`loras={"A": 0.8}`) or the bracketed fields."""
@@ -373,7 +383,7 @@ def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], m
         if max_input_bytes and len(data) > max_input_bytes:
             raise bad_request(f"Invalid value for '{name}': {len(data)} bytes, more than the engine takes "
                               f"({max_input_bytes} bytes per file).", name)
-    return _generation(req, served_models, strength=req.strength, **files)
+    return _generation(req, served_models, adapters_as_models, strength=req.strength, **files)
 
 
 def image_bytes(params: GenerateParams, native_size: int, default_hw: tuple[int, int] | None = None) -> int:
