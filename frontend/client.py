@@ -481,7 +481,7 @@ class Client:
             msg.output = _payload(msg, frames[1] if len(frames) > 1 else None)
             self._send(Delivered(msg.request_id))  # hands the bytes back to our budget on the engine
         if isinstance(msg, Rejected) and not msg.request_id:
-            if self.welcome is None and msg.field in ("version", "token"):
+            if self.welcome is None:  # our Hello was refused: a version, a token, the engine's client limit
                 error = AuthenticationError if msg.field == "token" else ConnectionError
                 self._handshake_error = error(f"engine at {self.address} refused the connection: {msg.reason}")
                 self._closing = True

@@ -73,8 +73,8 @@ from engine.serve import transport
 from engine.serve.bookkeeping import ClientRecord, RequestBook, RequestRecord
 from engine.serve.delivery import Delivery
 from engine.serve.handoff import (
-    WAKE, Broadcast, ClientConnected, ClientGone, ControlItem, Drain, FromClient, InputQueues, Send, Shutdown,
-    StopIO, Wake,
+    WAKE, Broadcast, ClientConnected, ClientGone, ControlItem, Drain, FromClient, InputBytes, InputQueues, Send,
+    Shutdown, StopIO, Wake,
 )
 from engine.serve.heartbeat import LoopHeartbeat
 from engine.serve.io_thread import HARD_FRAME_LIMIT, FrameRate, IOThread
@@ -103,11 +103,11 @@ class EngineCoreProc:
                  make_decode_stage: Callable[[Callable[[], None]], DecodeStage]):
         self.core = core
         self.config = config
-        self.inputs = InputQueues()
+        self.inputs = InputQueues(InputBytes(config.max_input_bytes_per_client, config.max_input_bytes_total))
         self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.metrics = EngineMetrics()
         self.heartbeat = LoopHeartbeat(config.step_timeout_s)
-        self.book = RequestBook(config)
+        self.book = RequestBook(config, self.inputs.input_bytes)
         self.fault_stats = collections.Counter()
         self._step_needed = False  # an abort happened: step so the core can report it
         self._stopping: str | None = None
@@ -158,6 +158,7 @@ class EngineCoreProc:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, config.sndhwm)
+        router.setsockopt(zmq.RCVHWM, config.rcvhwm)  # what ZMQ takes in per client before its sends block
         router.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 2 * config.max_message_bytes,
                                               2 * self.max_input_bytes))  # an oversized input is Rejected too
         try:
@@ -397,11 +398,14 @@ class EngineCoreProc:
             self._client_gone(item.identity, item.reason)
             return
         client = self.book.clients.get(item.identity)
+        msg = item.message
+        if client is None or not isinstance(msg, Submit):
+            self.inputs.input_bytes.release(item.identity, item.input_bytes)
         if client is None:
             return
-        msg = item.message
         if isinstance(msg, Submit):
-            self._submit(client, msg, item.arrival)
+            if not self._submit(client, msg, item.arrival, item.input_bytes):
+                self.inputs.input_bytes.release(item.identity, item.input_bytes)
         elif isinstance(msg, Cancel):
             self._cancel(client, msg.request_id)
         elif isinstance(msg, Delivered):
@@ -410,11 +414,12 @@ class EngineCoreProc:
             self._send(client.identity, StatsReply(msg.token, self._core_stats() | self._process_stats(),
                                                    self._adapter_names()))
 
-    def _submit(self, client: ClientRecord, msg: Submit, arrival: float) -> None:
+    def _submit(self, client: ClientRecord, msg: Submit, arrival: float, input_bytes: int = 0) -> bool:
+        """Accept the request into the core, or reject it; whether it was accepted."""
         if self._draining is not None:
             self._reject(client, msg.request_id, f"{self._draining}: not accepting new requests", None,
                          retry_after_s=SHUTDOWN_RETRY_S)
-            return
+            return False
         params = msg.params
         output_bytes = self.core.output_bytes(params)
         preview_bytes = self.core.output_bytes(msgspec.structs.replace(params, output="png")) \
@@ -424,22 +429,24 @@ class EngineCoreProc:
             if refusal.counter:
                 self.fault_stats[refusal.counter] += 1
             self._reject(client, msg.request_id, refusal.reason, refusal.field, refusal.retry_after_s)
-            return
+            return False
         rid = self.book.rid(client, msg.request_id)
         try:
             self.core.add_request(rid, params, arrival_time=arrival, partial_images=msg.partial_images)
         except RequestRejected as exc:
             self._reject(client, msg.request_id, exc.reason, exc.field, exc.retry_after_s)
-            return
+            return False
         except Exception:  # a core bug on odd input must not take the engine down
             log.exception("request %s: add_request failed", rid)
             self._reject(client, msg.request_id, "internal error (the engine's log has the details)", None)
-            return
+            return False
         self.book.add(client, RequestRecord(rid, client.identity, msg.request_id, arrival, msg.progress,
-                                            output_bytes + msg.partial_images * preview_bytes, preview_bytes))
+                                            output_bytes + msg.partial_images * preview_bytes, preview_bytes,
+                                            input_bytes=input_bytes))
         self._send(client.identity, Accepted(msg.request_id, self.book.waiting()))
         log.info("request %s accepted: %s %s×%d g=%g seed=%d → %s", rid, params.prompt, params.sampler,
                  params.steps, params.guidance, params.seed, params.output)
+        return True
 
     def _reject(self, client: ClientRecord, request_id: str, reason: str, field: str | None,
                 retry_after_s: float = 0.0) -> None:
@@ -508,6 +515,8 @@ class EngineCoreProc:
             "rejected_image_inputs": io.rejected_inputs,
             "auth_failures": io.auth_failures,
             "rejected_pending_inputs": io.rejected_pending,
+            "rejected_input_bytes": io.rejected_input_bytes,
+            "input_bytes_held": self.inputs.input_bytes.held_total,
             "inputs_waiting": self.inputs.waiting(),
             "io_paused_for_frame_rate_s": io.paused_s,
             "health_probes": io.health_probes,
