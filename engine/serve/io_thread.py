@@ -181,6 +181,8 @@ class IOThread(threading.Thread):
         self._paused_until = 0.0  # no reading before then: a client sent faster than its frame rate
         self._sessionless_rate = self._frame_rate()  # frames of identities without a session share one
         self.paused_s = 0.0  # time reading was paused for clients over their frame rate
+        self.stalled_s = 0.0  # time this thread did not run at all (the process stopped or starved)
+        self._beat_at = 0.0
 
     def _frame_rate(self) -> FrameRate:
         rate = self.config.max_client_frames_per_s
@@ -504,6 +506,15 @@ class IOThread(threading.Thread):
                     self.backlog_bytes -= entry.nbytes
 
     def _beat(self, now: float) -> None:
+        # Beats come every heartbeat interval; a longer gap means this thread itself did not
+        # run (the process was stopped, or starved of CPU): its clients' silence over that
+        # gap is not theirs, and a stall must not write them off.
+        lost = now - self._beat_at - 2 * self.config.heartbeat_interval_s if self._beat_at else 0.0
+        self._beat_at = now
+        if lost > 0:
+            self.stalled_s += lost
+            for peer in self.peers.values():
+                peer.last_seen = min(now, peer.last_seen + lost)
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > self.config.peer_timeout_s:
                 self._write_off(identity, f"no message for {self.config.peer_timeout_s:g}s")

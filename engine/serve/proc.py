@@ -519,6 +519,7 @@ class EngineCoreProc:
             "input_bytes_held": self.inputs.input_bytes.held_total,
             "inputs_waiting": self.inputs.waiting(),
             "io_paused_for_frame_rate_s": io.paused_s,
+            "io_stalled_s": io.stalled_s,
             "health_probes": io.health_probes,
             "draining": int(self._draining is not None),
             "longest_step_s": self.heartbeat.longest_step_s,
