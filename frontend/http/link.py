@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import logging
 import time
@@ -38,6 +39,9 @@ from frontend.http.errors import APIError, engine_unavailable
 from frontend.http.options import LinkOptions
 
 log = logging.getLogger("diffslot.http")
+
+#: threads for the link's blocking calls: a handshake or a round trip each, at most this many at once
+LINK_THREADS = 8
 
 #: the phrase of the engine's Rejected reason while it drains (engine.serve.proc)
 SHUTTING_DOWN = "shutting down"
@@ -99,6 +103,10 @@ class EngineLink:
         self._closing: set[asyncio.Task] = set()  # caller connections being closed
         self._draining = False  # of the engine behind the main connection
         self._drain_polled_at = float("-inf")
+        # the link's own threads for its blocking calls (handshakes, round trips, closes), so that
+        # nothing else the app runs in threads delays a health probe's answer or a reconnect
+        self.executor = concurrent.futures.ThreadPoolExecutor(LINK_THREADS, thread_name_prefix="diffslot-link")
+        self._adapters_call: asyncio.Future | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -146,6 +154,7 @@ class EngineLink:
             self._drop(caller)
         while self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        self.executor.shutdown(wait=False)
 
     async def client(self) -> AsyncClient:
         """The main connection; raises APIError(503) at once if there is none (and makes
@@ -200,11 +209,11 @@ class EngineLink:
 
     async def _connect_caller(self, caller: str) -> AsyncClient:
         client = AsyncClient(self.address, connect_timeout=self.connect_timeout_s, name=f"diffslot-http {caller}",
-                             **self.client_kwargs)
+                             executor=self.executor, **self.client_kwargs)
         try:
             await client.__aenter__()
         except asyncio.CancelledError:  # closing: stop the half-made client's IO thread too
-            await asyncio.get_running_loop().run_in_executor(None, client.client.close)
+            await asyncio.get_running_loop().run_in_executor(self.executor, client.client.close)
             raise
         except (ConnectionError, EngineDeadError, OSError) as exc:
             log.warning("engine connection for caller %s failed: %s", caller, exc)
@@ -246,6 +255,14 @@ class EngineLink:
         """Caller connections held now."""
         return len(self._callers)
 
+    async def adapters(self) -> list[str]:
+        """The engine's adapters now: one round trip at a time, its answer shared by every
+        request that asked while it was under way (a burst of /v1/models costs one)."""
+        client = await self.client()
+        if self._adapters_call is None or self._adapters_call.done():
+            self._adapters_call = asyncio.ensure_future(client.adapters())
+        return await asyncio.shield(self._adapters_call)
+
     # ------------------------------------------------------------------ draining
     def saw_rejection(self, result: Rejected) -> None:
         """Note a drain the engine announced by rejecting a request."""
@@ -261,7 +278,7 @@ class EngineLink:
         self._drain_polled_at = now
         stats = functools.partial(client.client.stats, timeout=self.drain_poll_timeout_s)
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(None, stats)
+            answer = await asyncio.get_running_loop().run_in_executor(self.executor, stats)
         except (TimeoutError, ConnectionError, RuntimeError):  # busy in a step, or gone: the link says which
             return self._draining
         if client is self._client:  # still the same engine
@@ -275,11 +292,11 @@ class EngineLink:
             await old.__aexit__(None, None, None)
         while not self._closed:
             fresh = AsyncClient(self.address, connect_timeout=self.connect_timeout_s, name="diffslot-http",
-                                **self.client_kwargs)
+                                executor=self.executor, **self.client_kwargs)
             try:
                 await fresh.__aenter__()
             except asyncio.CancelledError:  # closing: stop the half-made client's IO thread too
-                await asyncio.get_running_loop().run_in_executor(None, fresh.client.close)
+                await asyncio.get_running_loop().run_in_executor(self.executor, fresh.client.close)
                 raise
             except (ConnectionError, EngineDeadError, OSError) as exc:
                 self._last_error = str(exc) or type(exc).__name__
