@@ -467,6 +467,19 @@ def test_image_inputs_are_bounded_in_bytes_per_client_and_released_when_requests
 
 
 @pytest.mark.timeout(60)
+def test_a_gone_clients_image_inputs_are_released():
+    png = _padded_png(1 << 20)
+    with fake_engine("--step-delay", "0.02") as engine, Client(engine.address) as observer:
+        heavy = Client(engine.address)
+        heavy.connect()
+        for k in range(4):
+            heavy.submit(GenerateParams("a red circle", steps=500, output="latent", image=png, seed=k), progress=False)
+        wait_until(lambda: observer.stats()["input_bytes_held"] >= 4 << 20, 10, message="the inputs held")
+        heavy.close()  # Goodbye: its requests are canceled, their inputs let go
+        wait_until(lambda: observer.stats()["input_bytes_held"] == 0, 10, message="the inputs released")
+
+
+@pytest.mark.timeout(60)
 def test_a_request_larger_than_the_per_client_bound_still_gets_in_alone():
     png = _padded_png(2 << 20)
     with fake_engine("--max-input-bytes-per-client", str(1 << 20), "--max-input-bytes-total", str(1 << 20)) \

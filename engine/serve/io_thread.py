@@ -19,7 +19,13 @@ Byte inputs: a Submit's body may be followed by one frame per path in `Submit.in
 (`engine.protocol.frame_paths`: "image", "mask"); they are received zero-copy (only the identity and the body are
 copied), checked here against `Welcome.max_input_bytes` and the names, and attached to
 the params as memoryviews over the received frames before the busy loop sees the
-request. Anything wrong is a `Rejected` naming the field, sent from this thread.
+request. Anything wrong is a `Rejected` naming the field, sent from this thread. What
+they hold (encoded bytes and decoded pixels, `held_nbytes`) is counted against the
+client's and the engine's image-input bounds (`engine.serve.handoff.InputBytes`) from
+here until the request ends; past either, the Submit is `Rejected(retry_after_s)` here.
+
+A stall of this thread itself (the process stopped, or starved) is not its clients'
+silence: `_beat` credits them with the time it did not run.
 """
 from __future__ import annotations
 
