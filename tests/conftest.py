@@ -96,6 +96,7 @@ CONCERNS = {
     "tests/test_lora.py": ("models",),
     "tests/test_lora_engine.py": ("models",),
     "tests/test_model_contract.py": ("models",),
+    "tests/test_image_limits.py": ("models",),
     "tests/test_pipelines.py": ("models",),
     "tests/test_sdxl_flux.py": ("models",),
     "tests/test_shapes_model.py": ("models",),
@@ -112,12 +113,14 @@ CONCERNS = {
     "tests/test_proc.py": ("processes",),
     "tests/test_protocol.py": ("processes",),
     "tests/test_serve_bounds.py": ("processes",),
+    "tests/test_stall.py": ("processes",),
     # http: the HTTP gateway and the Ray Serve app
     "tests/test_batch_api.py": ("http",),
     "tests/test_edits_http.py": ("http",),
     "tests/test_http.py": ("http",),
     "tests/test_http_bounds.py": ("http",),
     "tests/test_http_fuzz.py": ("http",),
+    "tests/test_http_hostile.py": ("http",),
     "tests/test_ray_app.py": ("http",),
     # tools: the fluid queue model and its browser page
     "tests/test_fluid.py": ("tools",),
