@@ -85,4 +85,3 @@ def test_priorities_quick(tmp_path):
         assert all(float(v) > 0 for v in values[:3]), values
     assert float(rows["preempt"][3]) >= 1 and float(rows["preempt"][4]) > 0, rows["preempt"]
     assert float(rows["priority"][3]) == 0 and float(rows["srpt"][3]) == 0
-
