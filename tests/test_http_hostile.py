@@ -183,3 +183,19 @@ def test_health_reports_json():  # the guarded protocol still serves plain reque
     with fake_engine() as engine, gateway(engine.address) as gw, httpx.Client(timeout=10) as http:
         for _ in range(3):
             assert json.loads(http.get(gw.url + "/health").text)["status"] == "ok"
+
+
+def test_a_caller_past_the_engines_client_limit_is_told_so():
+    """The engine takes two clients: the gateway's main connection and one caller's; a
+    second caller gets a 503 naming the limit, with Retry-After (before: "not reachable")."""
+    with fake_engine("--max-clients", "2") as engine, \
+            gateway(engine.address, extra_env={"DIFFSLOT_API_KEYS": "first-key-0123456789,second-key-0123456789"}) \
+            as gw:
+        body = {"prompt": "a red circle", "steps": 2, "size": "32x32"}
+        first = httpx.post(gw.url + "/v1/images/generations", json=body, timeout=30,
+                           headers={"authorization": "Bearer first-key-0123456789"})
+        second = httpx.post(gw.url + "/v1/images/generations", json=body, timeout=30,
+                            headers={"authorization": "Bearer second-key-0123456789"})
+        assert first.status_code == 200, first.text
+        assert second.status_code == 503 and second.json()["error"]["code"] == "engine_client_limit"
+        assert second.headers["retry-after"] == "1"

@@ -499,3 +499,14 @@ def test_a_client_over_the_engines_client_limit_is_told_the_limit_at_once():
         with pytest.raises(ConnectionError) as info:
             Client(engine.address, connect_timeout=20).connect()
         assert "--max-clients" in str(info.value) and time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_an_image_whose_size_passes_the_output_budget_is_blamed_on_image():
+    png = _padded_png(4096)
+    with fake_engine("--output-budget-bytes", "1000") as engine, Client(engine.address) as client:
+        result = client.generate(GenerateParams("a red circle", steps=2, output="uint8", image=png), timeout=30)
+        assert isinstance(result, Rejected) and result.field == "image", result
+        sized = client.generate(GenerateParams("a red circle", steps=2, output="uint8", image=png, height=64,
+                                               width=64), timeout=30)
+        assert isinstance(sized, Rejected) and sized.field == "height", sized

@@ -48,6 +48,7 @@ only read as "engine died"; so MAXMSGSIZE is set far above `max_message_bytes`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import logging
 import os
@@ -425,6 +426,9 @@ class EngineCoreProc:
         preview_bytes = self.core.output_bytes(msgspec.structs.replace(params, output="png")) \
             if msg.partial_images else 0
         refusal = self.book.refusal(client, msg.request_id, output_bytes, preview_bytes, msg.partial_images)
+        if refusal is not None and refusal.field == "height" and params.image is not None \
+                and params.height is None and params.width is None:  # the output size is the image's own
+            refusal = dataclasses.replace(refusal, field="image")
         if refusal is not None:
             if refusal.counter:
                 self.fault_stats[refusal.counter] += 1

@@ -45,6 +45,8 @@ LINK_THREADS = 8
 
 #: the phrase of the engine's Rejected reason while it drains (engine.serve.proc)
 SHUTTING_DOWN = "shutting down"
+#: the flag the engine names when it refuses a Hello past its client limit (engine.serve.io_thread)
+CLIENT_LIMIT = "--max-clients"
 
 
 class _CallerConnection:
@@ -217,6 +219,10 @@ class EngineLink:
             raise
         except (ConnectionError, EngineDeadError, OSError) as exc:
             log.warning("engine connection for caller %s failed: %s", caller, exc)
+            if CLIENT_LIMIT in str(exc):  # the engine is up, with as many clients as it takes
+                raise APIError(503, "the diffslot engine serves as many clients as it takes (its --max-clients); "
+                                    "retry shortly", type="service_unavailable", code="engine_client_limit",
+                               headers={"Retry-After": "1"}) from None
             raise engine_unavailable("the engine is not reachable; reconnecting") from None
         return client
 
