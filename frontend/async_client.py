@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any, Callable
 
 from engine.protocol import GenerateParams, HealthReply, PartialImage, Progress
@@ -15,15 +16,22 @@ class AsyncClient:
             r = await c.generate(params)   # cancelling the awaiting task cancels the request
     """
 
-    def __init__(self, address: str | None = None, **client_kwargs):
+    def __init__(self, address: str | None = None, *, executor: concurrent.futures.Executor | None = None,
+                 **client_kwargs):
         self._client = Client(address, **client_kwargs)
+        # the threads its blocking calls wait in (None: the loop's default): a server passes its
+        # own, so that waits on the engine never queue behind the app's other blocking work
+        self._executor = executor
+
+    def _in_thread(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def __aenter__(self) -> "AsyncClient":
-        await asyncio.get_running_loop().run_in_executor(None, self._client.connect)
+        await self._in_thread(self._client.connect)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._client.close)
+        await self._in_thread(self._client.close)
 
     @property
     def client(self) -> Client:
@@ -46,7 +54,7 @@ class AsyncClient:
             if on_progress is not None:
                 progress = handle.progress()
                 while True:  # one blocking read per step, off the event loop
-                    item = await loop.run_in_executor(None, next, progress, None)
+                    item = await loop.run_in_executor(self._executor, next, progress, None)
                     if item is None:
                         break
                     on_progress(item)
@@ -57,13 +65,13 @@ class AsyncClient:
         return handle.result(0)
 
     async def stats(self) -> dict[str, Any]:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.stats)
+        return await self._in_thread(self._client.stats)
 
     async def adapters(self) -> list[str]:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.adapters)
+        return await self._in_thread(self._client.adapters)
 
     async def health(self, timeout: float = 5.0) -> HealthReply:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.health, timeout)
+        return await self._in_thread(self._client.health, timeout)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -9,8 +9,13 @@ One background thread per Client owns its DEALER socket (ZMQ sockets must stay o
 thread): it sends what user threads queue, receives everything, and routes each
 message to its request's handle by request id. It also keeps the engine honest: the
 engine sends a Heartbeat every `heartbeat_interval_s`; if the connection drops (ZMQ
-socket monitor) or the engine is silent for `peer_timeout_s`, every unfinished
-request fails at once with EngineDeadError — no request timeouts involved. The
+socket monitor) every unfinished request fails at once with EngineDeadError — no
+request timeouts involved. Silence is not death: an engine silent for `peer_timeout_s`
+whose process is on this machine and still there (stopped by SIGSTOP, paused by a
+debugger or the kernel, starved of CPU) is only stalled, and its requests are kept
+until `stall_timeout` of silence (the engine's own step watchdog ends a hung one before
+that, which drops the connection); a local engine whose process is gone, or a remote
+one silent for `peer_timeout_s`, is dead. The
 thread sends heartbeats of its own, so the engine cancels the requests of a client
 that died.
 
@@ -66,6 +71,9 @@ _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 CURVE_SERVER_KEY_ENV = "DIFFSLOT_CURVE_SERVER_KEY"
 CURVE_CLIENT_KEY_ENV = "DIFFSLOT_CURVE_CLIENT_KEY"
+#: silence a local engine process that is still there may keep before its client gives up on
+#: it: the engine's default step watchdog (--step-timeout 120) ends a hung engine before this
+STALL_TIMEOUT_S = 150.0
 
 
 def curve_keys_from_env() -> CurveKeys | None:
@@ -237,9 +245,11 @@ class Client:
     """A connection to one engine. Use as a context manager, or call connect()/close()."""
 
     def __init__(self, address: str | None = None, *, connect_timeout: float = 30.0, name: str = "",
-                 token: str | None = None, curve: CurveKeys | None = None):
+                 token: str | None = None, curve: CurveKeys | None = None, stall_timeout: float = STALL_TIMEOUT_S):
         self.address = transport.normalize_address(address or transport.discover_address())
         self.connect_timeout = connect_timeout
+        self.stall_timeout = stall_timeout  # silence a local engine process that is still there may keep
+        self.stalls = 0  # silences past peer_timeout_s the engine came back from (or is in now)
         self.name = name
         self.token = token if token is not None else os.environ.get("DIFFSLOT_TOKEN", "")
         self.curve = curve if curve is not None else curve_keys_from_env()
@@ -414,6 +424,7 @@ class Client:
         self._send(Hello(PROTOCOL_VERSION, os.getpid(), self.name, self.token))
         interval, timeout = 0.5, None  # until Welcome says otherwise; no liveness deadline before it
         last_heard = next_beat = time.monotonic()
+        stalled_since = None  # when a silence past peer_timeout_s began, while the engine process is there
         unsent: collections.deque = collections.deque()
         try:
             while not self._closing and self._dead is None:
@@ -456,9 +467,17 @@ class Client:
                     unsent.popleft()
                 if now >= next_beat:
                     next_beat = now + interval
-                    if timeout is not None and now - last_heard > timeout:
-                        self._declare_dead(f"no word from the engine for {timeout:g}s (engine hung or died)")
-                    elif self.welcome is not None:
+                    silent_s = now - last_heard
+                    if timeout is not None and silent_s > timeout:
+                        why = self._silence_verdict(silent_s, timeout, first=stalled_since is None)
+                        if why is not None:
+                            self._declare_dead(why)
+                        stalled_since = last_heard
+                    elif stalled_since is not None:
+                        log.warning("the engine at %s answers again after %.1fs of silence", self.address,
+                                    last_heard - stalled_since)
+                        stalled_since = None
+                    if self.welcome is not None and self._dead is None:
                         self._send(Heartbeat())
         except Exception as exc:
             log.exception("client IO thread crashed")
@@ -474,6 +493,24 @@ class Client:
             monitor.close(linger=0)
             sock.close()
             self._ctx.term()
+
+    def _silence_verdict(self, silent_s: float, timeout: float, first: bool) -> str | None:
+        """Why the engine counts as dead after `silent_s` of silence, or None while it is only
+        stalled: its process is on this machine and still there, and the silence is shorter
+        than `stall_timeout`."""
+        state = local_process_state(self.address, self.welcome.engine_pid if self.welcome else 0)
+        if state is None:
+            return f"no word from the engine for {timeout:g}s (engine hung or died)"
+        if state == "gone":
+            return f"no word from the engine for {silent_s:.1f}s and its process ({self.welcome.engine_pid}) is gone"
+        if silent_s > max(self.stall_timeout, timeout):
+            return (f"no word from the engine for {silent_s:.1f}s, past the client's stall timeout of "
+                    f"{self.stall_timeout:g}s (its process is {state})")
+        if first:
+            self.stalls += 1
+            log.warning("the engine at %s has been silent for %.1fs but its process is %s: a stall, not a death; "
+                        "waiting up to %gs", self.address, silent_s, state, self.stall_timeout)
+        return None
 
     def _send(self, msg) -> bool:
         """Send a message, or a (message, extra frames) pair as one multipart message (the
@@ -521,7 +558,7 @@ class Client:
             msg.output = _payload(msg, frames[1] if len(frames) > 1 else None)
             self._send(Delivered(msg.request_id))  # hands the bytes back to our budget on the engine
         if isinstance(msg, Rejected) and not msg.request_id:
-            if self.welcome is None and msg.field in ("version", "token"):
+            if self.welcome is None:  # our Hello was refused: a version, a token, the engine's client limit
                 error = AuthenticationError if msg.field == "token" else ConnectionError
                 self._handshake_error = error(f"engine at {self.address} refused the connection: {msg.reason}")
                 self._closing = True
@@ -562,6 +599,34 @@ class Client:
         for handle in self._take_handles():
             handle._finish(None, self._dead)
         self._welcomed.set()
+
+
+def local_process_state(address: str, pid: int) -> str | None:
+    """"running", "stopped" (SIGSTOP, a debugger) or "gone" for an engine on this machine
+    (an ipc address or a loopback one, with the pid its Welcome named); None where this
+    cannot be told (a remote engine, no pid)."""
+    if pid <= 0:
+        return None
+    try:
+        transport.check_bind_address(address)
+    except ValueError:
+        return None  # not this machine's: its pid means nothing here
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            pass
+        return "running"
+    if state in (b"Z", b"X", b"x"):  # exited, not reaped yet
+        return "gone"
+    return "stopped" if state in (b"T", b"t") else "running"
 
 
 class _Waiter:

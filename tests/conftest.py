@@ -92,6 +92,7 @@ CONCERNS = {
     "tests/test_solvers.py": ("core",),
     # models: model folders and adapters against diffusers' own pipelines
     "tests/test_image_inputs.py": ("models",),
+    "tests/test_image_limits.py": ("models",),
     "tests/test_lcm_guidance_embedding.py": ("models",),
     "tests/test_lora.py": ("models",),
     "tests/test_lora_engine.py": ("models",),
@@ -111,6 +112,7 @@ CONCERNS = {
     "tests/test_decode_inline.py": ("processes",),
     "tests/test_decode_workers.py": ("processes",),
     "tests/test_faults.py": ("processes",),
+    "tests/test_stall.py": ("processes",),
     "tests/test_image_wire.py": ("processes",),
     "tests/test_proc.py": ("processes",),
     "tests/test_protocol.py": ("processes",),
@@ -122,6 +124,7 @@ CONCERNS = {
     "tests/test_http.py": ("http",),
     "tests/test_http_bounds.py": ("http",),
     "tests/test_http_fuzz.py": ("http",),
+    "tests/test_http_hostile.py": ("http",),
     "tests/test_ray_app.py": ("http",),
     # tools: the fluid queue model and its browser page
     "tests/test_fluid.py": ("tools",),

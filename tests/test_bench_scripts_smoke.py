@@ -1,5 +1,6 @@
-"""Smoke: the decode-stage, admission-policy and priorities benchmarks run as scripts (`--quick`) and
-print a row for every configuration with plausible numbers, the policies' aging sweep too."""
+"""Smoke: the decode-stage, admission-policy and priorities benchmarks and the soak run as
+scripts (`--quick`) and print a row for every configuration with plausible numbers, the
+policies' aging sweep too."""
 from __future__ import annotations
 
 import pathlib
@@ -27,6 +28,25 @@ def test_decode_modes_quick(tmp_path):
     assert float(rows["latent"][1]) == 1.0
     for name, (goodput, ratio, call_ms, rows_per_call, share) in rows.items():
         assert float(goodput) > 0 and float(ratio) > 0 and float(rows_per_call) >= 1, (name, lines)
+
+
+@pytest.mark.timeout(300)
+def test_soak_quick(tmp_path):
+    """A few seconds of every kind of traffic against an engine and its gateway: every kind
+    ran, nothing was lost or wedged, both processes' RSS and the bystander were measured."""
+    lines = run_script("soak.py", tmp_path)
+    text = "\n".join(lines)
+    kinds = ("text to image (engine)", "text to image (gateway)", "images at the limit (engine)",
+             "images at the limit (gateway)", "adapter (engine)", "canceled (engine)", "abandoned (gateway)",
+             "upload slow (gateway)", "idle connection")
+    rows = {line[:32].strip(): line[32:].split() for line in lines if line[:32].strip() in kinds}
+    assert set(rows) == set(kinds), text
+    for kind, row in rows.items():
+        assert row[4:6] == ["0", "0"], (kind, text)  # lost, wedged
+    assert "lost 0, wedged 0: ok" in text
+    rss = {line.split()[0]: float(line.split()[2]) for line in lines if line.split()[:1] in (["engine"], ["gateway"])}
+    assert set(rss) == {"engine", "gateway"} and all(mb > 10 for mb in rss.values()), text
+    assert "bystander 4-step" in text
 
 
 @pytest.mark.timeout(300)

@@ -620,10 +620,13 @@ def test_decode_buffer_reservation_holds_admission(model):
 
 
 def test_request_too_large_to_ever_fit(model):
-    core = EngineCore(model, CoreConfig(slots=2))
-    with pytest.raises(RequestRejected) as e:  # 16× the native latents; the budget holds 2 native requests
+    # the default budgets hold one request at the largest size (tests/test_image_limits.py);
+    # a budget set to 2 native requests cannot hold 16× the native latents
+    native = EngineCore(model, CoreConfig(slots=2)).intake.request("n", P(), 0.0).reservation.trajectory_bytes
+    core = EngineCore(model, CoreConfig(slots=2, trajectory_budget_bytes=2 * native))
+    with pytest.raises(RequestRejected) as e:
         core.add_request("big", P(height=core.geometry.max_size, width=core.geometry.max_size))
-    assert e.value.field == "height" and e.value.retry_after_s == 0
+    assert e.value.field == "height" and e.value.retry_after_s == 0 and "trajectory budget" in e.value.reason
     assert core.stats()["queue_depth"] == 0 and not core.requests
     assert_drained(core)
 

@@ -80,7 +80,9 @@ def test_the_out_of_memory_row_limit_recovers_once_memory_allows():
 def test_a_request_that_cannot_fit_now_does_not_block_the_ones_behind_it():
     model = tiny_model("epsilon")
     native = model.native_size
-    one = EngineCore(model, CoreConfig(slots=4)).ledger.capacity.trajectory_bytes // 4
+    probe = EngineCore(model, CoreConfig(slots=4))
+    one = probe.intake.request("probe", GenerateParams(prompt="a red circle", steps=2, guidance=3.0, output="latent"),
+                               0.0).reservation.trajectory_bytes  # one native request's share
     core = EngineCore(model, CoreConfig(slots=4, trajectory_budget_bytes=4 * one, bypass_limit=3, policy="fifo"))
     core.add_request("long", GenerateParams(prompt="a red circle", steps=40, guidance=3.0, output="latent"))
     core.add_request("wide", GenerateParams(prompt="a red circle", steps=2, guidance=3.0, height=native,

@@ -79,13 +79,14 @@ def test_watchdog_ends_a_hung_step_with_engine_dead_and_exit_3():
 @pytest.mark.timeout(60)
 def test_watchdog_backstop_ends_a_step_that_holds_the_gil():
     """A step stuck in C code holding the GIL starves every Python thread: clients see
-    the heartbeats stop, and faulthandler's C thread ends the process (exit 1)."""
+    the heartbeats stop (a stall, while the process is there), and faulthandler's C
+    thread ends the process (exit 1), which fails their requests."""
     faults = {"hang_prompt": "a red cross", "hang_mode": "gil"}
     with fake_engine("--step-timeout", "1", "--peer-timeout", "1.5", faults=faults) as engine, \
             Client(engine.address) as c:
         started = time.monotonic()
         h = c.submit(GenerateParams("a red cross", steps=5))
-        with pytest.raises(EngineDeadError, match="no word from the engine"):
+        with pytest.raises(EngineDeadError, match="connection to the engine was lost|process .* is gone"):
             h.result(timeout=15)
         assert engine.popen.wait(20) == 1  # timeout 1 s + grace 5 s
         assert time.monotonic() - started < 15

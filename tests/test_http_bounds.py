@@ -415,6 +415,9 @@ class _BrokenLink:
     async def client(self):
         raise RuntimeError("secret detail: /srv/models/private-path token=abc123")
 
+    async def adapters(self):
+        return (await self.client()).adapters()
+
 
 def test_an_unhandled_error_is_500_with_a_request_id_and_nothing_else(caplog):
     from frontend.http.app import create_app

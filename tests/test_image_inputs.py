@@ -20,10 +20,10 @@ from PIL import Image, ImageDraw
 from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled, RequestRejected
 from engine.core import kernels as engine_kernels
 from engine.core.fences import DeferredFences
-from engine.core.solvers import build_schedule, make_scheduler
+from engine.core.solvers import build_schedule
 from engine.models.loading import StableDiffusionModel, load_model
 from engine.protocol import GenerateParams
-from engine.testing.pipeline_oracle import model_of, pipeline_output_of, rel_l2
+from engine.testing.pipeline_oracle import load_pipeline, model_of, oracle_scheduler, pipeline_output_of, rel_l2
 from engine.testing.tiny_pipelines import build_class_conditional, build_flux, build_sd, build_sd3, build_sdxl
 
 from core_driver import run_to_end
@@ -159,25 +159,32 @@ def test_height_and_width_resize_the_image_as_the_pipeline(folders):
 
 # ---- shared batches ------------------------------------------------------------------------
 
+# SD3's and FLUX's image pipelines run their own scheduler or flow_euler only
+SHARED_SAMPLERS = {"sd": ["default", "dpmpp_2m", "euler_ancestral"], "sdxl": ["default", "dpmpp_2m", "euler_ancestral"],
+                   "sd3": ["default", "flow_euler", "default"], "flux": ["default", "flow_euler", "default"]}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["sd", "sdxl"])
+@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux"])
 def test_mixed_strengths_masks_and_text_requests_share_batches(folders, name):
+    """SD3's and FLUX's image pipelines take no mask: there, img2img at two strengths."""
     folder = folders[name]
     model = model_of(folder)
     rng = random.Random(f"shared-{name}")
-    samplers = ["default", "dpmpp_2m", "euler_ancestral"]
+    samplers = SHARED_SAMPLERS[name]
+    masks = name in ("sd", "sdxl")
     cases = {}
     for k in range(9):
         sampler = samplers[(k + k // 3) % 3]  # every kind with every sampler
-        kind = k % 3  # text-to-image, img2img, inpainting
+        kind = k % 3  # text-to-image, img2img, inpainting (SD3, FLUX: img2img again)
         if kind == 0:
             cases[f"r{k}"] = GenerateParams(prompt=rng.choice(PROMPTS), steps=rng.choice([4, 6]), sampler=sampler,
                                             guidance=rng.choice([1.0, 3.0]), seed=rng.randrange(10_000),
                                             output="latent")
         else:
             strength = rng.choice([0.4, 0.7, 1.0])
-            cases[f"r{k}"] = image_request(rng, name, sampler, kind == 2, strength=strength)
-    victims = {"v0": image_request(rng, name, "dpmpp_2m", True, strength=1.0, steps=20),
+            cases[f"r{k}"] = image_request(rng, name, sampler, kind == 2 and masks, strength=strength)
+    victims = {"v0": image_request(rng, name, samplers[1], masks, strength=1.0, steps=20),
                "v1": image_request(rng, name, "default", False, strength=1.0, steps=20)}
     pending = list(cases.items())
     pending.insert(1, ("v0", victims["v0"]))
@@ -213,12 +220,13 @@ def test_mixed_strengths_masks_and_text_requests_share_batches(folders, name):
 
 @pytest.mark.parametrize("sampler", ["euler", "euler_ancestral", "ddim", "dpmpp_2m", "default"])
 def test_truncated_schedule_is_the_tail_the_pipeline_runs(folders, sampler):
-    model = model_of(folders["sd-pndm" if sampler == "default" else "sd"])
+    folder = folders["sd-pndm" if sampler == "default" else "sd"]
+    model = model_of(folder)
     config = model.scheduler_config
     for steps, strength in ((10, 0.55), (7, 1.0), (9, 0.3)):
         start = model.start_step(steps, strength)
         schedule = build_schedule(sampler, config, steps, 2.0, (), start)
-        sched = make_scheduler(sampler, config)
+        sched = oracle_scheduler(sampler, load_pipeline(str(folder)).scheduler)  # diffusers' own, not the engine's
         sched.set_timesteps(steps)
         tail = sched.timesteps[start * sched.order:]  # the pipeline's get_timesteps
         np.testing.assert_array_equal(schedule.timesteps, tail.numpy().astype(np.float32))

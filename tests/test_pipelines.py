@@ -264,3 +264,28 @@ def test_half_precision_weights_keep_float32_latents(folders, name):
     assert dtype == "uint8" and image.shape == shape and shape[2] == 3
     with pytest.raises(ValueError, match="dtype"):
         load_model(folder, dtype="float8")
+
+
+@pytest.mark.timeout(300)
+def test_the_oracle_builds_its_schedulers_itself(folders, monkeypatch):
+    """A break in the engine's scheduler construction (here: the timestep spacing flipped)
+    must show against the oracle; before, the oracle swapped schedulers with the engine's
+    own `make_scheduler`, so the engine and the oracle broke together and agreed."""
+    from engine.core import solvers
+    from engine.testing import pipeline_oracle
+
+    real = solvers.make_scheduler
+
+    def broken(sampler, config):
+        flipped = "leading" if config.get("timestep_spacing") == "trailing" else "trailing"
+        return real(sampler, {**config, "timestep_spacing": flipped})
+
+    monkeypatch.setattr(solvers, "make_scheduler", broken)
+    monkeypatch.setattr(pipeline_oracle, "make_scheduler", broken, raising=False)
+    folder = folders["sd-ddim"]
+    for sampler in ("euler", "dpmpp_2m"):
+        params = GenerateParams(prompt="a red circle", steps=5, sampler=sampler, guidance=3.0, seed=7,
+                                output="latent")
+        got = run_to_end(EngineCore(model_of(folder), CoreConfig(slots=2)), {"r": params}).results["r"]
+        want = pipeline_output(folder, sampler, params.prompt, params.steps, params.guidance, params.seed)
+        assert rel_l2(got, want) > 100 * ALONE_TOL, sampler

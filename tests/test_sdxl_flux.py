@@ -339,6 +339,29 @@ def _mixed_requests(name: str, rng: random.Random, count: int) -> dict[str, Gene
     return cases
 
 
+@pytest.mark.timeout(300)
+def test_half_precision_flux_follows_its_embedded_guidance(folders):
+    """bf16 FLUX-dev at two guidance values: each result near the fp32 pipeline's at its own
+    guidance (a bound well under the ~0.04 that separates the two), and the change from one
+    guidance to the other the pipeline's change: an embedded guidance forced to any
+    constant makes no change at all and fails (the 0 < err < 0.05 above let it pass)."""
+    from engine.core import CoreConfig, EngineCore
+
+    model = load_model(folders["flux-dev"], dtype="bfloat16")
+    got, want = {}, {}
+    for guidance in (1.0, 4.0):
+        p = params(prompt="a red circle", negative_prompt="blurry", steps=4, guidance=guidance, seed=3, height=16,
+                   width=16, true_cfg=3.0)
+        got[guidance] = run_core(EngineCore(model, CoreConfig(slots=2)), {"r": p})["r"]
+        want[guidance] = pipeline_output_of(folders["flux-dev"], p)
+        err = rel_l2(got[guidance], want[guidance])
+        print(f"flux-dev bf16 at guidance {guidance:g}: relative L2 {err:.2e}")
+        assert err <= 0.015, (guidance, err)
+    change = rel_l2(got[1.0] - got[4.0], want[1.0] - want[4.0])
+    print(f"flux-dev bf16: the guidance's effect off the pipeline's by {change:.2e}")
+    assert change <= 0.4, change
+
+
 def _per_row_inputs(name: str, p: GenerateParams) -> tuple:
     """What the shared calls must mix: for SDXL the time ids and whether the negative branch
     is zeros; for FLUX the embedded guidance and whether the request runs true CFG."""

@@ -420,3 +420,93 @@ def test_curve_over_tcp_admits_the_right_keys_only(tmp_path):
             assert probe.returncode == 0, probe.stderr
         finally:
             assert engine.stop() == 0
+
+
+# =============================================================== image inputs: bounded in bytes
+
+def _padded_png(nbytes: int, side: int = 32) -> bytes:
+    """A valid side×side PNG of exactly `nbytes` bytes (a text chunk holds the rest)."""
+    from PIL import PngImagePlugin
+
+    def encode(pad: int) -> bytes:
+        info = PngImagePlugin.PngInfo()
+        info.add_text("padding", "x" * pad)
+        buffer = io.BytesIO()
+        Image.new("RGB", (side, side), (10, 200, 30)).save(buffer, format="PNG", pnginfo=info)
+        return buffer.getvalue()
+    return encode(nbytes - len(encode(0)))
+
+
+@pytest.mark.timeout(120)
+def test_image_inputs_are_bounded_in_bytes_per_client_and_released_when_requests_end():
+    """One client sends 24 img2img requests of 1 MB each at once; it may hold 3 MB of
+    image inputs (--max-input-bytes-per-client): the rest are Rejected naming the limit with
+    retry_after_s, nothing more is held, another client's image request still gets in, and
+    once the requests end nothing is held. Before, every one was queued with its frames."""
+    png = _padded_png(1 << 20)
+    with fake_engine("--max-input-bytes-per-client", str(3 << 20), "--step-delay", "0.02",
+                     "--max-client-frames-per-s", "100000") as engine, \
+            Client(engine.address) as heavy, Client(engine.address) as other:
+        handles = [heavy.submit(GenerateParams("a red circle", steps=20, output="latent", image=png, seed=k),
+                                progress=False) for k in range(24)]
+        peak = 0
+        while not all(h.done() for h in handles):
+            peak = max(peak, other.stats()["input_bytes_held"])
+            time.sleep(0.01)
+        results = [h.result(0) for h in handles]
+        refused = [r for r in results if isinstance(r, Rejected)]
+        done = [r for r in results if isinstance(r, Completed)]
+        assert done and refused, results
+        assert all("--max-input-bytes-per-client" in r.reason and r.retry_after_s > 0 for r in refused)
+        one = (1 << 20) + 4 * 32 * 32  # encoded bytes and decoded pixels
+        assert peak <= 3 * one + 4 * one // 10
+        mine = other.generate(GenerateParams("a blue square", steps=2, output="latent", image=png), timeout=30)
+        assert isinstance(mine, Completed), mine
+        stats = other.stats()
+        assert stats["input_bytes_held"] == 0 and stats["rejected_input_bytes"] == len(refused)
+
+
+@pytest.mark.timeout(60)
+def test_a_gone_clients_image_inputs_are_released():
+    png = _padded_png(1 << 20)
+    with fake_engine("--step-delay", "0.02") as engine, Client(engine.address) as observer:
+        heavy = Client(engine.address)
+        heavy.connect()
+        for k in range(4):
+            heavy.submit(GenerateParams("a red circle", steps=500, output="latent", image=png, seed=k), progress=False)
+        wait_until(lambda: observer.stats()["input_bytes_held"] >= 4 << 20, 10, message="the inputs held")
+        heavy.close()  # Goodbye: its requests are canceled, their inputs let go
+        wait_until(lambda: observer.stats()["input_bytes_held"] == 0, 10, message="the inputs released")
+
+
+@pytest.mark.timeout(60)
+def test_a_request_larger_than_the_per_client_bound_still_gets_in_alone():
+    png = _padded_png(2 << 20)
+    with fake_engine("--max-input-bytes-per-client", str(1 << 20), "--max-input-bytes-total", str(1 << 20)) \
+            as engine, Client(engine.address) as client:
+        result = client.generate(GenerateParams("a red circle", steps=2, output="latent", image=png, mask=png),
+                                 timeout=30)
+        assert isinstance(result, Completed), result
+        assert client.stats()["input_bytes_held"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_client_over_the_engines_client_limit_is_told_the_limit_at_once():
+    """Before, the refusal was only logged and connect() waited out its timeout: "no diffslot
+    engine answered"."""
+    with fake_engine("--max-clients", "1") as engine, Client(engine.address):
+        start = time.monotonic()
+        with pytest.raises(ConnectionError) as info:
+            Client(engine.address, connect_timeout=20).connect()
+        assert "--max-clients" in str(info.value) and time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_an_image_whose_size_passes_the_output_budget_is_blamed_on_image():
+    png = _padded_png(4096)
+    with fake_engine("--output-budget-bytes", "1000") as engine, Client(engine.address) as client:
+        result = client.generate(GenerateParams("a red circle", steps=2, output="uint8", image=png), timeout=30)
+        assert isinstance(result, Rejected) and result.field == "image", result
+        sized = client.generate(GenerateParams("a red circle", steps=2, output="uint8", image=png, height=64,
+                                               width=64), timeout=30)
+        assert isinstance(sized, Rejected) and sized.field == "height", sized

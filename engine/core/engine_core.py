@@ -78,14 +78,23 @@ class EngineCore:
         """Budgets by default: `slots` native requests' trajectories (with what each input
         kind sets aside for them), and the output bytes of `slots + decode_buffers` native
         outputs of the largest kind, so that free slots never idle for want of output bytes."""
-        native = self.geometry.native_size
+        native, largest = self.geometry.native_size, self.geometry.max_size
         shape = self.geometry.latent_shape(native, native)
-        trajectory = reservation_for(shape, native, native, "uint8", 2 * self.model.conditioning_nbytes)
+        conditioning = 2 * self.model.conditioning_nbytes
+        trajectory = reservation_for(shape, native, native, "uint8", conditioning)
         output = max(reservation_for(shape, native, native, kind).output_bytes for kind in OUTPUT_KINDS)
+        # and never less than one request at the largest size with the largest inputs: every
+        # request valid under the documented limits is admitted, one at a time if need be
+        big_shape = self.geometry.latent_shape(largest, largest)
+        biggest = reservation_for(big_shape, largest, largest, "uint8", conditioning,
+                                  sum(kind.largest_nbytes(big_shape) for kind in self.kinds))
+        biggest_output = max(reservation_for(big_shape, largest, largest, kind).output_bytes for kind in OUTPUT_KINDS)
         c = self.config
         headroom = sum(kind.headroom(shape, c.slots) for kind in self.kinds)
-        trajectory_budget = c.trajectory_budget_bytes or c.slots * trajectory.trajectory_bytes + headroom
-        return Ledger(trajectory_budget, c.decode_buffers, c.output_budget_bytes or (c.slots + c.decode_buffers) * output,
+        trajectory_budget = c.trajectory_budget_bytes or max(c.slots * trajectory.trajectory_bytes + headroom,
+                                                             biggest.trajectory_bytes)
+        output_budget = c.output_budget_bytes or max((c.slots + c.decode_buffers) * output, biggest_output)
+        return Ledger(trajectory_budget, c.decode_buffers, output_budget,
                       trajectory_budget if c.parked_budget_bytes is None else c.parked_budget_bytes)
 
     # ---- public interface ------------------------------------------------------

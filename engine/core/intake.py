@@ -54,7 +54,14 @@ class Intake:
         if not self.ledger.could_ever_fit(reservation):
             field = next((kind.fields[0] for kind in used if kind.nbytes(values[kind.name], latent_shape)),
                          "height" if height >= width else "width")
-            raise RequestRejected("needs more memory than the engine holds at all", field)
+            capacity = self.ledger.capacity
+            if reservation.trajectory_bytes > capacity.trajectory_bytes:
+                need = (f"{reservation.trajectory_bytes} bytes of working memory, more than the engine's trajectory "
+                        f"budget of {capacity.trajectory_bytes} bytes (trajectory_budget_bytes)")
+            else:
+                need = (f"{reservation.output_bytes} bytes of output, more than the engine's output budget of "
+                        f"{capacity.output_bytes} bytes (output_budget_bytes)")
+            raise RequestRejected(f"needs more memory than the engine holds at all: {need}", field)
         key = (model.revision, latent_shape, str(model.dtype), model.conditioning_layout, model.prediction_type)
         request = Request(request_id, p, latent_shape, cfg_scale, arrival, reservation, key)
         request.trajectory = Trajectory(schedule, p.seed, latent_shape)

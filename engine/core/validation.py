@@ -21,8 +21,11 @@ def checked_size(model, geometry, p: GenerateParams, max_steps: int,
         text = getattr(p, field)
         if field == "negative_prompt" and text is None:
             continue  # not given
-        if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS or "\x00" in text:
+        if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS:
             raise RequestRejected(f"must be text of at most {MAX_PROMPT_CHARS} characters", field)
+        if "\x00" in text:  # text encoders' tokenizers treat NUL unpredictably; no prompt needs one
+            raise RequestRejected(f"contains a NUL character (\\x00) at position {text.index(chr(0))}: "
+                                  "remove it", field)
         why = model.check_prompt(text) if field == "prompt" or text else None
         if why:
             raise RequestRejected(why, field)

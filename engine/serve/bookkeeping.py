@@ -45,6 +45,7 @@ class RequestRecord:
     decode_key: str | None = None  # its final output's key in the decode stage
     preview_keys: set[str] = dataclasses.field(default_factory=set)  # its partial images in the decode stage
     held_final: HeldFinal | None = None
+    input_bytes: int = 0  # its image inputs' hold on its client's input bytes (engine.serve.handoff.InputBytes)
 
 
 @dataclasses.dataclass
@@ -70,8 +71,9 @@ class Refusal:
 
 
 class RequestBook:
-    def __init__(self, config: ProcConfig) -> None:
+    def __init__(self, config: ProcConfig, input_bytes=None) -> None:
         self.config = config
+        self.input_bytes = input_bytes  # engine.serve.handoff.InputBytes: released when a request ends
         self.requests: dict[str, RequestRecord] = {}
         self.clients: dict[bytes, ClientRecord] = {}
 
@@ -148,6 +150,9 @@ class RequestBook:
         if client is not None:
             client.reserved_bytes -= record.reserved_bytes
         record.reserved_bytes = 0
+        if record.input_bytes and self.input_bytes is not None:
+            self.input_bytes.release(record.identity, record.input_bytes)
+        record.input_bytes = 0
 
     def delivered(self, client: ClientRecord, client_request_id: str) -> None:
         client.unacknowledged_bytes -= client.unacknowledged.pop(client_request_id, 0)

@@ -38,6 +38,7 @@ class FromClient:
     identity: bytes
     message: Submit | Cancel | Delivered | Stats
     arrival: float  # time.monotonic() when the IO thread received it
+    input_bytes: int = 0  # what a Submit's image inputs hold in `InputQueues.input_bytes` until its request ends
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,13 +89,59 @@ class StopIO:
 OutputItem = Send | Broadcast | StopIO
 
 
+# --------------------------------------------------------------------- image input bytes
+
+class InputBytes:
+    """Image input bytes held for each client, from the IO thread's receipt of a Submit
+    until its request ends (or is refused): the IO thread holds, the busy loop releases.
+    A client may hold `per_client`, all clients together `total`; past either a Submit is
+    refused, except that a client holding nothing (and, for the total, an engine holding
+    nothing) is always let one request in, so every valid request is served one at a time
+    at worst."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client, self.total = per_client, total
+        self._lock = threading.Lock()
+        self._held: dict[bytes, int] = {}
+        self.held_total = 0  # read for stats (an int load is atomic)
+
+    def hold(self, identity: bytes, nbytes: int) -> str | None:
+        """Hold `nbytes` for the client; or why not (nothing is held then)."""
+        with self._lock:
+            mine = self._held.get(identity, 0)
+            if mine and mine + nbytes > self.per_client:
+                return (f"this client's requests hold {mine} bytes of image inputs; {nbytes} more would pass its "
+                        f"limit of {self.per_client} (--max-input-bytes-per-client)")
+            if self.held_total and self.held_total + nbytes > self.total:
+                return (f"the engine holds {self.held_total} bytes of image inputs; {nbytes} more would pass its "
+                        f"limit of {self.total} (--max-input-bytes-total)")
+            self._held[identity] = mine + nbytes
+            self.held_total += nbytes
+        return None
+
+    def release(self, identity: bytes, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._lock:
+            left = self._held.get(identity, 0) - nbytes
+            if left > 0:
+                self._held[identity] = left
+            else:
+                self._held.pop(identity, None)
+            self.held_total -= nbytes
+
+    def held(self, identity: bytes) -> int:
+        return self._held.get(identity, 0)
+
+
 # --------------------------------------------------------------------- the inboxes
 
 class InputQueues:
     """The control queue and one inbox per client. The IO thread puts, the busy loop takes."""
 
-    def __init__(self) -> None:
+    def __init__(self, input_bytes: InputBytes | None = None) -> None:
         self.control: queue.SimpleQueue = queue.SimpleQueue()
+        self.input_bytes = input_bytes or InputBytes(1 << 62, 1 << 62)
         self._lock = threading.Lock()
         self._inboxes: dict[bytes, collections.deque] = {}
         self._ready: collections.deque[bytes] = collections.deque()  # clients with items, in turn order
@@ -125,6 +172,9 @@ class InputQueues:
                 inbox = self._inboxes[gone.identity] = collections.deque()
             if not inbox:
                 self._ready.append(gone.identity)
+            for item in inbox:  # never taken: their image inputs are let go here
+                if isinstance(item, FromClient):
+                    self.input_bytes.release(item.identity, item.input_bytes)
             inbox.clear()
             inbox.append(gone)
         self.control.put(WAKE)

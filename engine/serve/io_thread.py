@@ -19,7 +19,13 @@ Byte inputs: a Submit's body may be followed by one frame per path in `Submit.in
 (`engine.protocol.frame_paths`: "image", "mask"); they are received zero-copy (only the identity and the body are
 copied), checked here against `Welcome.max_input_bytes` and the names, and attached to
 the params as memoryviews over the received frames before the busy loop sees the
-request. Anything wrong is a `Rejected` naming the field, sent from this thread.
+request. Anything wrong is a `Rejected` naming the field, sent from this thread. What
+they hold (encoded bytes and decoded pixels, `held_nbytes`) is counted against the
+client's and the engine's image-input bounds (`engine.serve.handoff.InputBytes`) from
+here until the request ends; past either, the Submit is `Rejected(retry_after_s)` here.
+
+A stall of this thread itself (the process stopped, or starved) is not its clients'
+silence: `_beat` credits them with the time it did not run.
 """
 from __future__ import annotations
 
@@ -27,12 +33,14 @@ import collections
 import dataclasses
 import errno
 import hmac
+import io
 import logging
 import math
 import queue
 import select
 import threading
 import time
+import warnings
 
 import msgspec
 import zmq
@@ -42,6 +50,7 @@ from engine.protocol import (
     Progress, ProgressBatch, Rejected, Stats, Submit, Welcome, attach_frames, client_decoder, describe_decode_error,
     encoder, path_problem,
 )
+from engine.models.geometry import MAX_SIZE_FACTOR
 from engine.serve import transport
 from engine.serve.frames import peek_request_id
 from engine.serve.handoff import (
@@ -57,6 +66,9 @@ RECEIVE_BATCH = 64  # frames read before the outputs are looked at again
 FRAME_BURST_S = 0.25  # a client may send a quarter of a second's frames at once
 RELEASE_MESSAGES_FACTOR = 16  # Cancel / Delivered pending beyond 16x max_pending_per_client: written off
 PENDING_RETRY_S = 0.1
+INPUT_BYTES_RETRY_S = 0.5  # image inputs are held until their requests end: seconds, not steps
+HEADER_PREFIX_BYTES = 64 << 10  # an image's size is read from at most this much of its start
+DECODED_BYTES_PER_PIXEL = 4  # PIL keeps RGB, RGBA and 16-bit grey pixels in 4 bytes each
 GONE_MEMORY_S = 600.0  # how long a written-off identity is refused
 
 
@@ -122,6 +134,23 @@ def _nbytes(frames: list) -> int:
     return total
 
 
+def held_nbytes(data: memoryview, max_side: int) -> int:
+    """What one image input frame holds in the engine until its request ends: its encoded
+    bytes and its decoded pixels, sized from the image's header (read from the frame's
+    first bytes, not copied whole); where the header cannot be read there, the largest
+    image the core takes (its request may still be refused at intake, which releases it)."""
+    from PIL import Image
+
+    side_w = side_h = max_side
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            side_w, side_h = Image.open(io.BytesIO(data[:HEADER_PREFIX_BYTES])).size
+    except Exception:
+        pass
+    return data.nbytes + DECODED_BYTES_PER_PIXEL * min(side_w, max_side) * min(side_h, max_side)
+
+
 class IOThread(threading.Thread):
     """Owns the ROUTER socket: receives and decodes client frames, encodes and sends
     engine messages, runs heartbeats and client liveness, never blocks on a client."""
@@ -148,6 +177,8 @@ class IOThread(threading.Thread):
         self.rejected_pending = 0  # Submits and Stats refused: their client had too many waiting
         self.health_probes = 0
         self.rejected_inputs = 0  # Submits whose image input frames were refused (count, names, size)
+        self.rejected_input_bytes = 0  # Submits refused: their client, or the engine, held too many input bytes
+        self._max_side = MAX_SIZE_FACTOR * max(1, welcome.native_size)  # the largest image side the core takes
         self._token = config.auth_token.encode()
         self._decoder = client_decoder()
         self._encoder = encoder()
@@ -156,6 +187,8 @@ class IOThread(threading.Thread):
         self._paused_until = 0.0  # no reading before then: a client sent faster than its frame rate
         self._sessionless_rate = self._frame_rate()  # frames of identities without a session share one
         self.paused_s = 0.0  # time reading was paused for clients over their frame rate
+        self.stalled_s = 0.0  # time this thread did not run at all (the process stopped or starved)
+        self._beat_at = 0.0
 
     def _frame_rate(self) -> FrameRate:
         rate = self.config.max_client_frames_per_s
@@ -259,10 +292,12 @@ class IOThread(threading.Thread):
             log.info("rejected a malformed frame (request %s, field %s): %s", request_id, field, exc)
             self._send_now(identity, Rejected(request_id or "", f"invalid message: {exc}", field))
             return
+        input_bytes = 0
         if isinstance(msg, Submit) and (msg.inputs or extra):
             msg = self._attach_inputs(identity, msg, extra)
             if msg is None:
                 return
+            input_bytes = sum(held_nbytes(frame.buffer, self._max_side) for frame in extra)
         elif extra:
             self._send_now(identity, Rejected(getattr(msg, "request_id", ""), f"malformed message: expected one "
                                                                               f"frame, got {len(frames) - 1}"))
@@ -282,7 +317,7 @@ class IOThread(threading.Thread):
         if isinstance(msg, Health):
             self._answer_health(identity, msg)
             return
-        self._forward(identity, msg, arrival)
+        self._forward(identity, msg, arrival, input_bytes)
 
     def _attach_inputs(self, identity: bytes, msg: Submit, extra: list) -> Submit | None:
         """The Submit with its input frames set on its params, or None once it has been
@@ -319,7 +354,8 @@ class IOThread(threading.Thread):
         params = attach_frames(msg.params, names, [frame.buffer for frame in extra])
         return msgspec.structs.replace(msg, params=params, inputs=())
 
-    def _forward(self, identity: bytes, msg: Submit | Cancel | Delivered | Stats, arrival: float) -> None:
+    def _forward(self, identity: bytes, msg: Submit | Cancel | Delivered | Stats, arrival: float,
+                 input_bytes: int = 0) -> None:
         pending = self.inputs.pending(identity)
         if isinstance(msg, (Cancel, Delivered)):
             if pending >= self._release_limit:
@@ -331,7 +367,14 @@ class IOThread(threading.Thread):
                                           f"{pending} messages of this client are waiting for the engine, its limit "
                                           f"(--max-pending-per-client); slow down", None, PENDING_RETRY_S), None)
             return
-        self.inputs.put(FromClient(identity, msg, arrival))
+        if input_bytes:
+            why = self.inputs.input_bytes.hold(identity, input_bytes)
+            if why is not None:
+                self.rejected_input_bytes += 1
+                self._send(identity, Rejected(msg.request_id, f"{why}; retry when earlier requests have ended",
+                                              None, INPUT_BYTES_RETRY_S), None)
+                return
+        self.inputs.put(FromClient(identity, msg, arrival, input_bytes))
 
     def _hello(self, identity: bytes, msg: Hello, arrival: float) -> None:
         if msg.version != PROTOCOL_VERSION:
@@ -469,6 +512,15 @@ class IOThread(threading.Thread):
                     self.backlog_bytes -= entry.nbytes
 
     def _beat(self, now: float) -> None:
+        # Beats come every heartbeat interval; a longer gap means this thread itself did not
+        # run (the process was stopped, or starved of CPU): its clients' silence over that
+        # gap is not theirs, and a stall must not write them off.
+        lost = now - self._beat_at - 2 * self.config.heartbeat_interval_s if self._beat_at else 0.0
+        self._beat_at = now
+        if lost > 0:
+            self.stalled_s += lost
+            for peer in self.peers.values():
+                peer.last_seen = min(now, peer.last_seen + lost)
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > self.config.peer_timeout_s:
                 self._write_off(identity, f"no message for {self.config.peer_timeout_s:g}s")

@@ -72,6 +72,20 @@ class ProcConfig:
         help="frames one client may send a second (a quarter of a second's worth at once); past it the engine "
              "stops reading that client until it is back within the rate, so the client's own sends block "
              "(a request costs a client two or three frames)"))
+    max_input_bytes_per_client: int = dataclasses.field(default=256 << 20, metadata=cli(
+        "--max-input-bytes-per-client", metavar="B",
+        help="image input bytes one client's requests may hold from their arrival until they end (each image "
+             "and mask counted as its encoded bytes plus its decoded pixels, 4 bytes each); a Submit beyond it "
+             "is Rejected with retry_after_s by the IO thread. A client holding nothing is always let one "
+             "request in, however large"))
+    max_input_bytes_total: int = dataclasses.field(default=1 << 30, metadata=cli(
+        "--max-input-bytes-total", metavar="B",
+        help="the same, all clients together; beyond it a Submit with image inputs is Rejected with "
+             "retry_after_s (one request is always let in when nothing is held)"))
+    rcvhwm: int = dataclasses.field(default=64, metadata=cli(
+        "--rcvhwm", metavar="N",
+        help="messages ZMQ takes in per client before that client's sends block (the transport's own bound, "
+             "in messages: with image inputs each may carry up to two frames of --max-input-bytes)"))
     inputs_per_iteration: int = 64  # client messages the busy loop handles between two steps, round robin
     inputs_per_client_per_iteration: int = 4  # of which one client's: a flood delays the others by this many
     max_clients: int = dataclasses.field(default=1024, metadata=cli(

@@ -48,6 +48,7 @@ only read as "engine died"; so MAXMSGSIZE is set far above `max_message_bytes`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import logging
 import os
@@ -74,8 +75,8 @@ from engine.serve import transport
 from engine.serve.bookkeeping import ClientRecord, RequestBook, RequestRecord
 from engine.serve.delivery import Delivery
 from engine.serve.handoff import (
-    WAKE, Broadcast, ClientConnected, ClientGone, ControlItem, Drain, FromClient, InputQueues, Send, Shutdown,
-    StopIO, Wake,
+    WAKE, Broadcast, ClientConnected, ClientGone, ControlItem, Drain, FromClient, InputBytes, InputQueues, Send,
+    Shutdown, StopIO, Wake,
 )
 from engine.serve.heartbeat import LoopHeartbeat
 from engine.serve.io_thread import HARD_FRAME_LIMIT, FrameRate, IOThread
@@ -111,11 +112,11 @@ class EngineCoreProc:
                  make_decode_stage: Callable[[Callable[[], None]], DecodeStage]):
         self.core = core
         self.config = config
-        self.inputs = InputQueues()
+        self.inputs = InputQueues(InputBytes(config.max_input_bytes_per_client, config.max_input_bytes_total))
         self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.metrics = EngineMetrics()
         self.heartbeat = LoopHeartbeat(config.step_timeout_s)
-        self.book = RequestBook(config)
+        self.book = RequestBook(config, self.inputs.input_bytes)
         self.fault_stats = collections.Counter()
         self._step_needed = False  # an abort happened: step so the core can report it
         self._stopping: str | None = None
@@ -175,6 +176,7 @@ class EngineCoreProc:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, config.sndhwm)
+        router.setsockopt(zmq.RCVHWM, config.rcvhwm)  # what ZMQ takes in per client before its sends block
         router.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 2 * config.max_message_bytes,
                                               2 * self.max_input_bytes))  # an oversized input is Rejected too
         try:
@@ -434,11 +436,14 @@ class EngineCoreProc:
             self._client_gone(item.identity, item.reason)
             return
         client = self.book.clients.get(item.identity)
+        msg = item.message
+        if client is None or not isinstance(msg, Submit):
+            self.inputs.input_bytes.release(item.identity, item.input_bytes)
         if client is None:
             return
-        msg = item.message
         if isinstance(msg, Submit):
-            self._submit(client, msg, item.arrival)
+            if not self._submit(client, msg, item.arrival, item.input_bytes):
+                self.inputs.input_bytes.release(item.identity, item.input_bytes)
         elif isinstance(msg, Cancel):
             self._cancel(client, msg.request_id)
         elif isinstance(msg, Delivered):
@@ -447,36 +452,42 @@ class EngineCoreProc:
             self._send(client.identity, StatsReply(msg.token, self._core_stats() | self._process_stats(),
                                                    self._adapter_names()))
 
-    def _submit(self, client: ClientRecord, msg: Submit, arrival: float) -> None:
+    def _submit(self, client: ClientRecord, msg: Submit, arrival: float, input_bytes: int = 0) -> bool:
+        """Accept the request into the core, or reject it; whether it was accepted."""
         if self._draining is not None:
             self._reject(client, msg.request_id, f"{self._draining}: not accepting new requests", None,
                          retry_after_s=SHUTDOWN_RETRY_S)
-            return
+            return False
         params = msg.params
         output_bytes = self.core.output_bytes(params)
         preview_bytes = self.core.output_bytes(msgspec.structs.replace(params, output="png")) \
             if msg.partial_images else 0
         refusal = self.book.refusal(client, msg.request_id, output_bytes, preview_bytes, msg.partial_images)
+        if refusal is not None and refusal.field == "height" and params.image is not None \
+                and params.height is None and params.width is None:  # the output size is the image's own
+            refusal = dataclasses.replace(refusal, field="image")
         if refusal is not None:
             if refusal.counter:
                 self.fault_stats[refusal.counter] += 1
             self._reject(client, msg.request_id, refusal.reason, refusal.field, refusal.retry_after_s)
-            return
+            return False
         rid = self.book.rid(client, msg.request_id)
         try:
             self.core.add_request(rid, params, arrival_time=arrival, partial_images=msg.partial_images)
         except RequestRejected as exc:
             self._reject(client, msg.request_id, exc.reason, exc.field, exc.retry_after_s)
-            return
+            return False
         except Exception:  # a core bug on odd input must not take the engine down
             log.exception("request %s: add_request failed", rid)
             self._reject(client, msg.request_id, "internal error (the engine's log has the details)", None)
-            return
+            return False
         self.book.add(client, RequestRecord(rid, client.identity, msg.request_id, arrival, msg.progress,
-                                            output_bytes + msg.partial_images * preview_bytes, preview_bytes))
+                                            output_bytes + msg.partial_images * preview_bytes, preview_bytes,
+                                            input_bytes=input_bytes))
         self._send(client.identity, Accepted(msg.request_id, self.book.waiting()))
         log.info("request %s accepted: %s %s×%d g=%g seed=%d → %s", rid, params.prompt, params.sampler,
                  params.steps, params.guidance, params.seed, params.output)
+        return True
 
     def _reject(self, client: ClientRecord, request_id: str, reason: str, field: str | None,
                 retry_after_s: float = 0.0) -> None:
@@ -545,8 +556,11 @@ class EngineCoreProc:
             "rejected_image_inputs": io.rejected_inputs,
             "auth_failures": io.auth_failures,
             "rejected_pending_inputs": io.rejected_pending,
+            "rejected_input_bytes": io.rejected_input_bytes,
+            "input_bytes_held": self.inputs.input_bytes.held_total,
             "inputs_waiting": self.inputs.waiting(),
             "io_paused_for_frame_rate_s": io.paused_s,
+            "io_stalled_s": io.stalled_s,
             "health_probes": io.health_probes,
             "draining": int(self._draining is not None),
             "longest_step_s": self.heartbeat.longest_step_s,

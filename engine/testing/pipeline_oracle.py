@@ -27,8 +27,6 @@ import pathlib
 import numpy as np
 import torch
 
-from engine.core.solvers import make_scheduler
-
 
 @functools.lru_cache(maxsize=8)
 def load_pipeline(folder: str):
@@ -91,6 +89,34 @@ def _image_arguments(pipe, image, mask, strength, height, width) -> dict:
     return extra
 
 
+def oracle_scheduler(sampler: str, original):
+    """The scheduler the oracle runs for `sampler`, built here from diffusers' own classes
+    the way diffusers' documentation swaps a pipeline's scheduler
+    (`Class.from_config(pipe.scheduler.config, ...)`), sharing nothing with the engine's
+    construction (engine.core.solvers.make_scheduler), so a break there shows. `default`:
+    a fresh copy of the pipeline's own scheduler."""
+    import diffusers
+
+    config = original.config
+    flow = "FlowMatch" in type(original).__name__
+    if sampler == "default":
+        return type(original).from_config(config)
+    if sampler == "flow_euler":
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_config(config)
+    if sampler == "euler":
+        return diffusers.EulerDiscreteScheduler.from_config(config)
+    if sampler == "euler_ancestral":
+        return diffusers.EulerAncestralDiscreteScheduler.from_config(config)
+    if sampler == "ddim":
+        return diffusers.DDIMScheduler.from_config(config)
+    if sampler == "dpmpp_2m":  # DPM-Solver++(2M), as diffusers' docs name it
+        extra = dict(use_flow_sigmas=True, flow_shift=config.get("shift", 1.0),
+                     prediction_type="flow_prediction") if flow else {}
+        return diffusers.DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++",
+                                                                 solver_order=2, **extra)
+    raise ValueError(f"the oracle knows no sampler {sampler!r}")
+
+
 @torch.no_grad()
 def pipeline_output(folder, sampler: str, prompt: str, steps: int, guidance: float, seed: int, *,
                     negative_prompt: str | None = None, height: int | None = None, width: int | None = None,
@@ -109,11 +135,7 @@ def pipeline_output(folder, sampler: str, prompt: str, steps: int, guidance: flo
     else:
         size = dict(height=height, width=width)
     original = pipe.scheduler
-    if sampler != "default":  # the sampler's class from the pipeline's own config, as diffusers swaps schedulers
-        config = dict(original.config, _class_name=type(original).__name__)
-        pipe.scheduler = make_scheduler(sampler, config)
-    else:
-        pipe.scheduler = type(original).from_config(original.config)  # fresh state
+    pipe.scheduler = oracle_scheduler(sampler, original)
     try:
         out = pipe(prompt, negative_prompt=negative_prompt, num_inference_steps=steps, guidance_scale=guidance,
                    generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **size, **extra)

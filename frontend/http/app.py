@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -48,7 +49,9 @@ from frontend.async_client import AsyncClient
 from frontend.client import EngineDeadError
 from frontend.http.batch_runner import BatchRunner
 from frontend.http.batches import BATCH_SCHEMAS, FILES_PATH, add_batch_routes
-from frontend.http.callers import EDITS_PATH, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body
+from frontend.http.callers import (
+    EDITS_PATH, BodyBudget, CallerGate, ClientDisconnect, KeyRing, RateLimiter, caller_of, read_body,
+)
 from frontend.http.engine_calls import generate_all, internal_error, outcome_error, request_id
 from frontend.http.errors import APIError, bad_request, engine_unavailable
 from frontend.http.gateway_state import GatewayState
@@ -67,6 +70,7 @@ log = logging.getLogger("diffslot.http")
 
 JSON = "application/json"
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, never seen by the client
+PARSER_THREADS = 2  # multipart forms parsed at once (a form's parse is CPU: more threads would not help)
 
 
 class ClientGone(Exception):
@@ -234,14 +238,21 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
             state.close()
             if own_link:
                 await link.close()
+            parser.shutdown(wait=False)
 
     app = FastAPI(title="diffslot images API", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.link, app.state.metrics, app.state.gateway_state = link, metrics, state
     # the gate runs inside the metrics middleware, so that its 401/413/429 are counted
+    bodies = BodyBudget(limits.max_caller_body_bytes, limits.max_body_bytes_total, limits.body_timeout_s)
+    app.state.bodies = bodies
     app.add_middleware(CallerGate, keys=KeyRing(api_keys), limiter=RateLimiter(limits.rate_limit, limits.rate_burst),
                        max_body_bytes=limits.max_body_bytes,
-                       path_limits={EDITS_PATH: limits.max_upload_bytes, FILES_PATH: limits.max_file_bytes})
+                       path_limits={EDITS_PATH: limits.max_upload_bytes, FILES_PATH: limits.max_file_bytes},
+                       bodies=bodies)
+    # forms are parsed here, off the event loop: a large one must not hold up other callers
+    parser = concurrent.futures.ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="diffslot-forms")
+    app.state.parse = lambda fn, *args: asyncio.get_running_loop().run_in_executor(parser, fn, *args)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def openapi() -> dict:
@@ -318,8 +329,10 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
     async def edits(request: Request) -> Response:
         body = await read_body(request, limits.max_upload_bytes)
         await link.client()
-        return await serve(request, parse_edit(request.headers.get("content-type", ""), body, link.models,
-                                               link.welcome.max_input_bytes, adapters_as_models=True))
+        gen = await app.state.parse(parse_edit, request.headers.get("content-type", ""), body, link.models,
+                                    link.welcome.max_input_bytes, True)  # adapters named as the model
+        del body  # the form's bytes: its image and mask live on in `gen` only
+        return await serve(request, gen)
 
     async def serve(request: Request, gen: Generation) -> Response:
         if gen.adapter is not None and gen.adapter not in await adapter_names():
@@ -355,9 +368,8 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
     add_batch_routes(app, state, link, limits, batch, webhooks is not None, runner.wake)
 
     async def adapter_names() -> list[str]:
-        client = await link.client()
         try:
-            return await client.adapters()  # a round trip: adapters come and go in the engine's folder
+            return await link.adapters()  # a round trip: adapters come and go in the engine's folder
         except (EngineDeadError, ConnectionError, RuntimeError) as exc:
             raise link.lost(exc) from None
         except TimeoutError:

@@ -205,8 +205,9 @@ def add_batch_routes(app: FastAPI, state: GatewayState, link: EngineLink, limits
     async def create_file(request: Request) -> Response:
         body = await read_body(request, limits.max_file_bytes)
         purpose, upload = None, None
-        for name, filename, content in form_parts(request.headers.get("content-type", ""), body,
-                                                  "the file and its purpose"):
+        parts = await request.app.state.parse(form_parts, request.headers.get("content-type", ""), body,
+                                              "the file and its purpose")
+        for name, filename, content in parts:
             if name == "purpose":
                 purpose = content.decode("utf-8", "replace").strip()
             elif name == "file":

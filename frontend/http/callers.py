@@ -15,6 +15,11 @@
   is 413 before any of the body is read; a body without one (chunked) is counted as
   it streams in and refused as soon as it passes the limit, so no body is ever held
   whole beyond the limit.
+* Body bytes held (`BodyBudget`): every chunk is counted against its caller's share
+  (`--max-caller-body-bytes`) and all callers' (`--max-body-bytes-total`) before it
+  is kept, and stays counted until its request has been answered; past a share the
+  request is 429 (503 past the total), so slow or abandoned uploads hold at most their
+  caller's share. A body that pauses `--body-timeout` between two chunks is 408.
 
 `CallerGate` is a plain ASGI middleware doing the first three before any route runs
 (so an unknown `/v1` route is 401 too); `read_body` is the body limit, called by the
@@ -22,6 +27,7 @@ route that reads a body.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import hmac
@@ -51,17 +57,26 @@ class KeyRing:
     """The gateway's API keys; `caller(authorization)` is the caller id of a valid bearer token."""
 
     def __init__(self, keys: Iterable[str]):
-        # a key's caller id is its position, never anything derived from the key itself
-        self._digests = [(hashlib.sha256(key.encode()).digest(), f"key#{i}") for i, key in enumerate(keys)]
+        # a key's caller id is its position, never anything derived from the key itself; a key
+        # is compared as the bytes it arrives as: HTTP header values are Latin-1 (ASGI servers
+        # decode none), so a non-ASCII key counts as its UTF-8 bytes, which is what clients send
+        self._digests = [(hashlib.sha256(key.encode("utf-8")).digest(), f"key#{i}") for i, key in enumerate(keys)]
 
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def caller(self, authorization: str | None) -> str | None:
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer":
+    def caller(self, authorization: str | bytes | None) -> str | None:
+        """`authorization`: the header's raw bytes (or text of them, read as Latin-1)."""
+        raw = authorization or b""
+        if isinstance(raw, str):
+            try:
+                raw = raw.encode("latin-1")
+            except UnicodeEncodeError:  # not header text: a caller's own string
+                raw = raw.encode("utf-8")
+        scheme, _, token = raw.partition(b" ")
+        if scheme.lower() != b"bearer":
             return None
-        presented = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        presented = hashlib.sha256(token.strip()).digest()
         found = None
         for digest, caller in self._digests:  # every key, every time: no early exit
             if hmac.compare_digest(presented, digest):
@@ -121,6 +136,67 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large", headers={"Connection": "close"})
 
 
+def request_timeout(idle_s: float) -> APIError:
+    return APIError(408, f"The request body paused for more than {idle_s:g}s; send it without pauses.",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+class BodyBudget:
+    """Request body bytes held, per caller and in all, counted as they arrive (before they
+    are kept) until their request is answered. A caller holding nothing may always bring
+    one body (its route's own limit bounds it)."""
+
+    def __init__(self, per_caller: int, total: int, idle_timeout_s: float = 30.0):
+        self.per_caller, self.total, self.idle_timeout_s = per_caller, total, idle_timeout_s
+        self.held: collections.Counter = collections.Counter()
+        self.held_total = 0
+        self.refused = 0
+
+    def take(self, caller: str, nbytes: int) -> APIError | None:
+        mine = self.held[caller]
+        if mine and self.per_caller and mine + nbytes > self.per_caller:
+            self.refused += 1
+            return APIError(429, f"Your requests' bodies already hold {mine} bytes on this server, its limit per "
+                                 f"caller is {self.per_caller}; retry when they are done.", type="rate_limit_error",
+                            code="too_many_body_bytes", headers={"Retry-After": "1", "Connection": "close"})
+        if self.held_total and self.total and self.held_total + nbytes > self.total:
+            self.refused += 1
+            return APIError(503, f"This server holds {self.held_total} bytes of request bodies, its limit; retry "
+                                 f"shortly.", type="service_unavailable", code="server_busy",
+                            headers={"Retry-After": "1", "Connection": "close"})
+        self.held[caller] = mine + nbytes
+        self.held_total += nbytes
+        return None
+
+    def give_back(self, caller: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        self.held[caller] -= nbytes
+        if self.held[caller] <= 0:
+            del self.held[caller]
+        self.held_total -= nbytes
+
+
+BODY_SCOPE_KEY = "diffslot.body"  # the request's BodyHold, left in the ASGI scope by CallerGate
+
+
+class BodyHold:
+    """What one request's body holds of its caller's share; given back when it is answered."""
+
+    def __init__(self, budget: BodyBudget, caller: str):
+        self.budget, self.caller, self.nbytes = budget, caller, 0
+
+    def take(self, nbytes: int) -> None:
+        error = self.budget.take(self.caller, nbytes)
+        if error is not None:
+            raise error
+        self.nbytes += nbytes
+
+    def release(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        self.budget.give_back(self.caller, nbytes)
+
+
 def address_caller(scope) -> str:
     client = scope.get("client")
     return f"addr:{client[0] if client else 'unknown'}"
@@ -136,9 +212,10 @@ class CallerGate:
     and refuse a declared Content-Length over the body limit before anything is read."""
 
     def __init__(self, app, keys: KeyRing, limiter: RateLimiter, max_body_bytes: int,
-                 path_limits: dict[str, int] | None = None):
+                 path_limits: dict[str, int] | None = None, bodies: BodyBudget | None = None):
         self.app, self.keys, self.limiter, self.max_body_bytes = app, keys, limiter, max_body_bytes
         self.path_limits = dict(path_limits or {})  # routes with their own body limit (the edits upload)
+        self.bodies = bodies or BodyBudget(0, 0)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
@@ -146,7 +223,7 @@ class CallerGate:
         headers = {}
         for name, value in scope.get("headers", ()):
             if name in (b"authorization", b"content-length"):
-                headers[name] = value.decode("latin-1")
+                headers[name] = value
         error = None
         if self.keys:
             caller = self.keys.caller(headers.get(b"authorization"))
@@ -159,13 +236,17 @@ class CallerGate:
             if wait > 0:
                 error = rate_limited(wait, self.limiter.rate)
         if error is None and b"content-length" in headers:
-            error = declared_length_error(headers[b"content-length"],
+            error = declared_length_error(headers[b"content-length"].decode("latin-1"),
                                           self.path_limits.get(scope["path"], self.max_body_bytes))
         if error is not None:
             error.headers.setdefault("Connection", "close")  # whatever body came stays unread
             return await error.response()(scope, receive, send)
         scope[CALLER_SCOPE_KEY] = caller
-        await self.app(scope, receive, send)
+        hold = scope[BODY_SCOPE_KEY] = BodyHold(self.bodies, caller)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            hold.release()
 
 
 def declared_length_error(value: str, limit: int) -> APIError | None:
@@ -177,16 +258,29 @@ def declared_length_error(value: str, limit: int) -> APIError | None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as more than `limit` bytes have come in
-    (CallerGate has already refused a declared Content-Length over it). A client that
-    goes away mid-body raises ClientDisconnect."""
+    (CallerGate has already refused a declared Content-Length over it), each chunk counted
+    against its caller's share of body bytes before it is kept (429 or 503 past a share),
+    408 when it pauses longer than the body timeout. A client that goes away mid-body
+    raises ClientDisconnect."""
+    hold: BodyHold | None = request.scope.get(BODY_SCOPE_KEY)
+    idle_s = hold.budget.idle_timeout_s if hold is not None else 0.0
     chunks, total = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await (asyncio.wait_for(stream.__anext__(), idle_s) if idle_s > 0 else stream.__anext__())
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise request_timeout(idle_s) from None
         total += len(chunk)
         if total > limit:
             raise too_large(limit)
+        if hold is not None:
+            hold.take(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-__all__ = ["API_KEYS_ENV", "EDITS_PATH", "CallerGate", "ClientDisconnect", "KeyRing", "RateLimiter", "api_keys",
+__all__ = ["API_KEYS_ENV", "EDITS_PATH", "BodyBudget", "CallerGate", "ClientDisconnect", "KeyRing", "RateLimiter", "api_keys",
            "caller_of", "read_body"]

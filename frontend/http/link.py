@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import logging
 import time
@@ -41,9 +42,13 @@ log = logging.getLogger("diffslot.http")
 
 #: how often the gateway says it is still waiting for its engine
 WAITING_LOGGED_EVERY_S = 10.0
+#: threads for the link's blocking calls: a handshake or a round trip each, at most this many at once
+LINK_THREADS = 8
 
 #: the phrase of the engine's Rejected reason while it drains (engine.serve.proc)
 SHUTTING_DOWN = "shutting down"
+#: the flag the engine names when it refuses a Hello past its client limit (engine.serve.io_thread)
+CLIENT_LIMIT = "--max-clients"
 
 
 class _CallerConnection:
@@ -102,6 +107,10 @@ class EngineLink:
         self._closing: set[asyncio.Task] = set()  # caller connections being closed
         self._draining = False  # of the engine behind the main connection
         self._drain_polled_at = float("-inf")
+        # the link's own threads for its blocking calls (handshakes, round trips, closes), so that
+        # nothing else the app runs in threads delays a health probe's answer or a reconnect
+        self.executor = concurrent.futures.ThreadPoolExecutor(LINK_THREADS, thread_name_prefix="diffslot-link")
+        self._adapters_call: asyncio.Future | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -149,6 +158,7 @@ class EngineLink:
             self._drop(caller)
         while self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        self.executor.shutdown(wait=False)
 
     async def client(self) -> AsyncClient:
         """The main connection; raises APIError(503) at once if there is none (and makes
@@ -203,14 +213,18 @@ class EngineLink:
 
     async def _connect_caller(self, caller: str) -> AsyncClient:
         client = AsyncClient(self.address, connect_timeout=self.connect_timeout_s, name=f"diffslot-http {caller}",
-                             **self.client_kwargs)
+                             executor=self.executor, **self.client_kwargs)
         try:
             await client.__aenter__()
         except asyncio.CancelledError:  # closing: stop the half-made client's IO thread too
-            await asyncio.get_running_loop().run_in_executor(None, client.client.close)
+            await asyncio.get_running_loop().run_in_executor(self.executor, client.client.close)
             raise
         except (ConnectionError, EngineDeadError, OSError) as exc:
             log.warning("engine connection for caller %s failed: %s", caller, exc)
+            if CLIENT_LIMIT in str(exc):  # the engine is up, with as many clients as it takes
+                raise APIError(503, "the diffslot engine serves as many clients as it takes (its --max-clients); "
+                                    "retry shortly", type="service_unavailable", code="engine_client_limit",
+                               headers={"Retry-After": "1"}) from None
             raise engine_unavailable("the engine is not reachable; reconnecting") from None
         return client
 
@@ -249,6 +263,14 @@ class EngineLink:
         """Caller connections held now."""
         return len(self._callers)
 
+    async def adapters(self) -> list[str]:
+        """The engine's adapters now: one round trip at a time, its answer shared by every
+        request that asked while it was under way (a burst of /v1/models costs one)."""
+        client = await self.client()
+        if self._adapters_call is None or self._adapters_call.done():
+            self._adapters_call = asyncio.ensure_future(client.adapters())
+        return await asyncio.shield(self._adapters_call)
+
     # ------------------------------------------------------------------ draining
     def saw_rejection(self, result: Rejected) -> None:
         """Note a drain the engine announced by rejecting a request."""
@@ -264,7 +286,7 @@ class EngineLink:
         self._drain_polled_at = now
         stats = functools.partial(client.client.stats, timeout=self.drain_poll_timeout_s)
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(None, stats)
+            answer = await asyncio.get_running_loop().run_in_executor(self.executor, stats)
         except (TimeoutError, ConnectionError, RuntimeError):  # busy in a step, or gone: the link says which
             return self._draining
         if client is self._client:  # still the same engine
@@ -279,11 +301,11 @@ class EngineLink:
         waiting_since, told_at = time.monotonic(), float("-inf")
         while not self._closed:
             fresh = AsyncClient(self.address, connect_timeout=self.connect_timeout_s, name="diffslot-http",
-                                **self.client_kwargs)
+                                executor=self.executor, **self.client_kwargs)
             try:
                 await fresh.__aenter__()
             except asyncio.CancelledError:  # closing: stop the half-made client's IO thread too
-                await asyncio.get_running_loop().run_in_executor(None, fresh.client.close)
+                await asyncio.get_running_loop().run_in_executor(self.executor, fresh.client.close)
                 raise
             except (ConnectionError, EngineDeadError, OSError) as exc:
                 self._last_error = str(exc) or type(exc).__name__

@@ -23,6 +23,9 @@ MAX_BODY_BYTES = 1 << 20
 MAX_UPLOAD_BYTES = len(FRAME_FIELDS) * MAX_INPUT_BYTES + MAX_BODY_BYTES
 # a batch input file: thousands of lines of JSON bodies
 MAX_FILE_BYTES = 64 << 20
+# body bytes held at once: one caller, two full edit forms; all callers, sixteen
+MAX_CALLER_BODY_BYTES = 2 * MAX_UPLOAD_BYTES
+MAX_BODY_BYTES_TOTAL = 16 * MAX_UPLOAD_BYTES
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -55,6 +58,17 @@ class GatewayLimits:
              "caller, otherwise default:default. Repeatable; DIFFSLOT_KEY_CLASSES takes the same, comma-separated"))
     max_file_bytes: int = dataclasses.field(default=MAX_FILE_BYTES, metadata=cli(
         "--max-file-bytes", metavar="B", help="largest file upload (POST /v1/files, a batch's input); larger get 413"))
+    body_timeout_s: float = dataclasses.field(default=30.0, metadata=cli(
+        "--body-timeout", metavar="S",
+        help="seconds a request body may pause between two of its chunks; past it 408 and the body is dropped"))
+    max_caller_body_bytes: int = dataclasses.field(default=MAX_CALLER_BODY_BYTES, metadata=cli(
+        "--max-caller-body-bytes", metavar="B",
+        help="request body bytes one caller's requests may hold at once (counted as they arrive, before they "
+             "are buffered, until the request ends); beyond it 429. A caller holding none may always send one "
+             "body up to its route's limit"))
+    max_body_bytes_total: int = dataclasses.field(default=MAX_BODY_BYTES_TOTAL, metadata=cli(
+        "--max-body-bytes-total", metavar="B",
+        help="request body bytes all callers' requests may hold at once; beyond it 503"))
 
 
 @dataclasses.dataclass
@@ -84,6 +98,20 @@ class ServerOptions:
         "--log-level", choices=LOG_LEVELS, help="the gateway's and uvicorn's log level"))
     access_log: bool = dataclasses.field(default=False, metadata=cli(
         "--access-log", help="log every request (uvicorn's access log)"))
+    max_connections: int = dataclasses.field(default=900, metadata=cli(
+        "--max-connections", metavar="N",
+        help="open HTTP connections at once; a connection beyond it is answered 503 and closed before anything "
+             "is read (the open-files soft limit is raised to the hard one at start, and must exceed this)"))
+    max_connections_per_address: int = dataclasses.field(default=256, metadata=cli(
+        "--max-connections-per-address", metavar="N",
+        help="open connections from one client address, counted before authentication; beyond it 503 and "
+             "closed (0: no limit; behind a reverse proxy every caller has the proxy's address)"))
+    header_timeout_s: float = dataclasses.field(default=10.0, metadata=cli(
+        "--header-timeout", metavar="S",
+        help="seconds a connection has to send a request's headers, from its first byte (or its opening); "
+             "past it the connection is closed"))
+    keep_alive_s: float = dataclasses.field(default=5.0, metadata=cli(
+        "--keep-alive", metavar="S", help="seconds an idle kept-alive connection stays open"))
 
 
 @dataclasses.dataclass

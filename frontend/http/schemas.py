@@ -287,6 +287,10 @@ def _header_params(value: str) -> email.message.Message:
     return message
 
 
+#: parts a multipart form may have: every field of an edit (loras by name included) many times over
+MAX_FORM_PARTS = 256
+
+
 def form_parts(content_type: str, body: bytes,
                files: str = "the image and mask as files") -> list[tuple[str, str | None, bytes]]:
     """A multipart/form-data body's parts as (field name, file name or None, content).
@@ -296,7 +300,12 @@ def form_parts(content_type: str, body: bytes,
     boundary = _header_params(content_type).get_param("boundary")
     if not isinstance(boundary, str) or not 0 < len(boundary) <= 200:
         raise bad_request("The multipart/form-data body has no boundary.", None, "invalid_multipart")
-    sections = (b"\r\n" + body).split(b"\r\n--" + boundary.encode("latin-1"))
+    delimiter = b"\r\n--" + boundary.encode("latin-1")
+    parts_given = body.count(delimiter) + body.startswith(delimiter[2:]) - 1
+    if parts_given > MAX_FORM_PARTS:
+        raise bad_request(f"The multipart/form-data body has {parts_given} parts, more than this server reads "
+                          f"({MAX_FORM_PARTS}).", None, "too_many_parts")
+    sections = (b"\r\n" + body).split(delimiter)
     if len(sections) < 2 or not sections[-1].startswith(b"--"):
         raise bad_request("The multipart/form-data body is truncated or malformed.", None, "invalid_multipart")
     parts = []
@@ -405,6 +414,10 @@ def check_fits(gen: Generation, budget_bytes: int, native_size: int) -> None:
     size = f"{params.width or default_w}x{params.height or default_h}"
     limit = f"the {budget_bytes} bytes of output one caller may hold on the engine"
     if one > budget_bytes:
+        if gen.default_hw is not None and params.height is None and params.width is None:  # the image's own size
+            raise bad_request(f"Invalid value for 'image': its size, {size}, is the output's, whose image needs up "
+                              f"to {one} bytes, more than {limit}; send a smaller image or ask for a smaller "
+                              f"'size'.", "image")
         raise bad_request(f"Invalid value for 'size': one {size} image needs up to {one} bytes, more than {limit}; "
                           f"ask for a smaller size.", "size")
     with_previews = one * (1 + gen.partial_images)

@@ -6,6 +6,11 @@ Binds 127.0.0.1 unless told otherwise (`--host 0.0.0.0` to expose it, with
 `--api-key` and TLS in front). SIGTERM / Ctrl-C shut it down gracefully: uvicorn stops
 accepting, in-flight responses finish, then the engine connections close (the engine
 cancels whatever of ours is left).
+
+Connections are bounded before anything is read (frontend.http.connections:
+`--max-connections`, `--max-connections-per-address`, `--header-timeout`,
+`--keep-alive`), and the open-files soft limit is raised to the hard one at start, so
+that the connection limit, not the file table, is what a flood of connections meets.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
+import resource
 import sys
 
 from engine.flags import add_config_arguments, config_from_args
@@ -34,6 +40,30 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+#: files the gateway keeps open besides its connections (engine sockets, the state dir, logs, threads' pipes)
+SPARE_FILES = 100
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files to the hard one (no privilege needed); the new
+    soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 62
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft and _set_nofile(target, hard):
+        return target
+    return soft
+
+
+def _set_nofile(soft: int, hard: int) -> bool:
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +92,17 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as exc:  # a flag that cannot work: say which, before binding
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from frontend.http.connections import guarded_protocol
+
+    open_files = raise_open_files_limit()
+    if server.max_connections + SPARE_FILES > open_files:
+        log.warning("--max-connections %d is close to the open-files limit of %d: a flood of connections may "
+                    "exhaust it before the connection limit applies (raise `ulimit -Hn`)", server.max_connections,
+                    open_files)
+    protocol = guarded_protocol(server.max_connections, server.max_connections_per_address, server.header_timeout_s)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
-                            access_log=server.access_log, timeout_graceful_shutdown=30)
+                            access_log=server.access_log, timeout_graceful_shutdown=30, http=protocol,
+                            timeout_keep_alive=server.keep_alive_s)
     uvicorn_server = uvicorn.Server(config)
     uvicorn_server.run()
     return 0 if uvicorn_server.started else 1

@@ -47,6 +47,11 @@ class InputKind:
     def nbytes(self, value, latent_shape: tuple[int, ...]) -> int:
         return 0
 
+    def largest_nbytes(self, latent_shape: tuple[int, ...]) -> int:
+        """The most `nbytes` can be for one request of this latent shape under the documented
+        limits (the default trajectory budget holds at least one such request)."""
+        return 0
+
     def headroom(self, latent_shape: tuple[int, ...], slots: int) -> int:
         """What the default trajectory budget sets aside for this kind (0: none)."""
         return 0

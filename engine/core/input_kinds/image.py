@@ -86,7 +86,22 @@ def _decode(data, field: str, max_bytes: int, max_size: int):
         raise
     except Exception as exc:  # PIL raises many kinds on a truncated or foreign stream
         raise RequestRejected(f"is not a decodable PNG, JPEG or WebP image ({type(exc).__name__})", field) from None
-    return image
+    return _eight_bit(image)
+
+
+#: PIL's modes of a 16-bit grey-level PNG; PIL's own convert() clips them to 8 bits instead of scaling
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def _eight_bit(image):
+    """A 16-bit grey-level image scaled to 8 bits (65535 → 255), as every pipeline reads
+    8-bit images; any other image as it is."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    from PIL import Image
+
+    wide = np.asarray(image).astype(np.float64)
+    return Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
 
 
 class ImageKind(InputKind):
@@ -186,6 +201,13 @@ class ImageKind(InputKind):
         released. The decoded pixels live only from intake through preparation, bounded by
         the queue."""
         return images.input_bytes + _latent_rows(latent_shape, images.mask is not None)
+
+    def largest_nbytes(self, latent_shape: tuple[int, ...]) -> int:
+        """An image and a mask of `max_input_bytes` each, and the inpainting rows."""
+        if self.model.image_support("image") is not None:
+            return 0
+        masked = self.model.image_support("mask") is None
+        return (2 if masked else 1) * self.max_input_bytes + _latent_rows(latent_shape, masked)
 
     def headroom(self, latent_shape: tuple[int, ...], slots: int) -> int:
         """Room for every slot's image rows (latents, and with inpainting noise and mask)
