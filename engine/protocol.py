@@ -104,6 +104,19 @@ def parse_step_cache(text: str) -> StepCache:
         raise ValueError(f"cache threshold {threshold!r} is not a number") from None
 
 
+class Control(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One ControlNet applied to a request: the pipelines' `controlnet_conditioning_scale`,
+    `control_guidance_start` and `control_guidance_end` for it. Several in one request are
+    diffusers' multi-ControlNet (their residuals summed in the given order)."""
+
+    name: str  # a ControlNet the engine serves (`--controlnet NAME=PATH`; GET /v1/models lists them)
+    image: Annotated[bytes, msgspec.Meta(description=(
+        "ControlNet: the control image (edges, depth, pose...), PNG, JPEG or WebP; resized to the output size"))]
+    scale: float = 1.0  # its residuals' scale (the pipeline's controlnet_conditioning_scale)
+    start: float = 0.0  # the share of the steps where it starts to apply (control_guidance_start)
+    end: float = 1.0  # ... and where it stops (control_guidance_end)
+
+
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation request, as the user writes it. Validated by the engine against
     the loaded model (prompts, sizes, samplers, step limit).
@@ -142,6 +155,9 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     deadline_s: float | None = None
     # skipping work between steps (None: the server's `--cache` default)
     cache: StepCache | None = None
+    # ControlNets (each control image travels as its own frame, `controls.N.image`)
+    controls: tuple[Control, ...] = ()
+    guess_mode: bool = False  # SD/SDXL ControlNet's guess mode: the ControlNets see only the prompt's row
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -24,6 +24,10 @@ Which model takes which (a field a model does not take stays None):
 | guidance | | | | dev (embedded) | |
 | timestep_cond | LCM UNets | LCM UNets | | | |
 | lora_index, lora_scale | adapters | adapters | adapters | adapters | |
+| controls | ControlNets | ControlNets | | | |
+
+`controls` is not a tensor but the call's `engine.models.controlnet.ControlCall` (which
+rows run which ControlNet, at their own steps); a call that has one runs eagerly.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class ModelInputs:
     timestep_cond: torch.Tensor | None = None  # rows × time_cond_proj_dim: LCM's guidance embedding
     lora_index: torch.Tensor | None = None  # rows × K int32: adapter slots in the pool, -1 none
     lora_scale: torch.Tensor | None = None  # rows × K float32: each adapter's scale
+    controls: object | None = None  # the call's ControlCall: its rows' ControlNets (None: no row has one)
 
     def named(self) -> dict[str, torch.Tensor]:
         """The fields that are present, by name, in declaration order (a graph's buffers)."""

@@ -544,10 +544,23 @@ class StableDiffusionModel(_PipelineModel):
         embeds, _ = self.pipe.encode_prompt(list(prompts), self.device, 1, False)
         return [Conditioning(e) for e in embeds]
 
+    #: name → ControlNetModel served beside the UNet (`engine.models.controlnet.attach_controlnets`)
+    controlnets: dict = {}
+
+    @functools.cached_property
+    def control_image_processor(self):
+        """The ControlNet pipelines' control image processor (RGB, resized, not normalised)."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor, do_convert_rgb=True,
+                                 do_normalize=False)
+
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)
+        residuals = {} if inputs.controls is None else inputs.controls.residuals(
+            inputs.sample, inputs.timestep, inputs.hidden)
         return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
-                              timestep_cond=cond, return_dict=False)[0]
+                              timestep_cond=cond, return_dict=False, **residuals)[0]
 
 
 class StableDiffusion3Model(_PipelineModel):

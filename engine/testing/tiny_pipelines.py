@@ -502,3 +502,32 @@ def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOC
 __all__ = ["VOCAB", "SD_SCHEDULERS", "TEST_CONDITIONS", "SCHEDULER_CONFIGS", "SDXL_SCHEDULER", "FLUX_SCHEDULERS",
            "tiny_unet", "tiny_class_vae", "build_class_conditional", "build_sd", "build_sd3", "build_sdxl",
            "build_flux"]
+
+
+def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3) -> pathlib.Path:
+    """Write a tiny `ControlNetModel` folder for the SD or SDXL folder `base` and return its path.
+
+    Built as diffusers' own tests build theirs: `ControlNetModel.from_unet` on the base's
+    UNet (its down and mid blocks' weights), the conditioning embedding downsampling as
+    many times as the VAE (`vae_scale_factor`: one stride-2 block per halving), and the
+    zero-initialised convolutions (the residual projections, the embedding's last conv)
+    given random weights (normal × `gain`, seeded), so that the control changes the output.
+    """
+    from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel
+
+    folder, base = pathlib.Path(folder), pathlib.Path(base)
+    unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
+    vae = AutoencoderKL.from_pretrained(base / "vae", low_cpu_mem_usage=False)
+    halvings = len(vae.config.block_out_channels) - 1
+    channels = tuple(16 * 2 ** k for k in range(halvings + 1))
+    torch.manual_seed(seed)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=channels).eval()
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+              controlnet.controlnet_cond_embedding.conv_out]
+    with torch.no_grad():
+        for conv in zeroed:
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) * gain / conv.weight[0].numel() ** 0.5)
+            conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * gain * 0.1)
+    controlnet.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -1,0 +1,383 @@
+"""ControlNet per request, in the shared batch: a request alone against diffusers' own
+`StableDiffusionControlNetPipeline` / `StableDiffusionXLControlNetPipeline` (one
+ControlNet, a multi-ControlNet list, a start/end window, guess mode) and
+`StableDiffusionControlNetImg2ImgPipeline`; one shared batch of plain rows, ControlNet A,
+A+B at two scales, a window, guess mode and img2img rows with late joins and cancels; each
+ControlNet run only on the rows that use it at their step; controls parked and resumed
+with their slot; every bad control rejected naming `controls`; a ControlNet that does not
+fit the served UNet refused at start. Tiny random ControlNets built as diffusers' tests
+build them (`build_controlnet`); control images drawn with PIL from a seeded generator."""
+from __future__ import annotations
+
+import functools
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from engine.core import CoreConfig, EngineCore, RequestRejected
+from engine.core.solvers import make_scheduler
+from engine.models.controlnet import attach_controlnets, load_controlnet
+from engine.models.loading import load_model
+from engine.protocol import Control, GenerateParams
+from engine.testing.pipeline_oracle import load_pipeline, rel_l2
+from engine.testing.tiny_pipelines import build_controlnet, build_sd, build_sdxl
+
+from core_driver import run_to_end
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ALONE_TOL = 1e-5
+SHARED_TOL = 1e-4
+PROMPTS = ["a red circle", "a big blue cat", "the small green dog", "a photo of a yellow cross"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controlnet")
+    sd, sdxl = build_sd(root / "sd", seed=31), build_sdxl(root / "sdxl", seed=32)
+    return {"sd": sd, "sdxl": sdxl,
+            "sd-nets": {"a": build_controlnet(root / "sd-a", sd, seed=1), "b": build_controlnet(root / "sd-b", sd, seed=2)},
+            "sdxl-nets": {"a": build_controlnet(root / "sdxl-a", sdxl, seed=3)}}
+
+
+@functools.lru_cache(maxsize=4)
+def _served(folder, nets: tuple):
+    model = load_model(folder)
+    attach_controlnets(model, dict(nets))
+    return model
+
+
+def served(folders, name):
+    """The engine's model of folder `name` with its ControlNets, loaded once."""
+    return _served(folders[name], tuple(sorted(folders[f"{name}-nets"].items())))
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def control_image(rng: random.Random, width: int = 16, height: int = 16) -> bytes:
+    """White outlines and filled shapes on black, as an edge or silhouette control."""
+    image = Image.new("RGB", (width, height), 0)
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(1, 3)):
+        x0, y0 = rng.randrange(width - 3), rng.randrange(height - 3)
+        box = [x0, y0, rng.randint(x0 + 2, width), rng.randint(y0 + 2, height)]
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, outline=(255, 255, 255),
+                                                                  fill=(255, 255, 255) if rng.random() < 0.5 else None)
+    return png(image)
+
+
+def _pil(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+@functools.lru_cache(maxsize=8)
+def _oracle_net(path):
+    from diffusers import ControlNetModel
+
+    return ControlNetModel.from_pretrained(path, low_cpu_mem_usage=False).eval()
+
+
+@torch.no_grad()
+def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams) -> np.ndarray:
+    """The ControlNet pipeline's latents for `p`: one `ControlNetModel` for one control, a
+    `MultiControlNetModel` of the named ones (in order) for several; the img2img
+    ControlNet pipeline with an image; the sampler swapped in as the pipeline oracle does."""
+    import diffusers
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    base = load_pipeline(str(folder))
+    xl = type(base).__name__.startswith("StableDiffusionXL")
+    kind = ("StableDiffusionXL" if xl else "StableDiffusion") + "ControlNet" + ("Img2Img" if p.image else "") + "Pipeline"
+    controls = p.controls
+    single = len(controls) == 1
+    models = [_oracle_net(str(nets[c.name])) for c in controls]
+    pipe = getattr(diffusers, kind).from_pipe(base, controlnet=models[0] if single else MultiControlNetModel(models))
+    pipe.set_progress_bar_config(disable=True)
+    images = [_pil(c.image) for c in controls]
+
+    def each(values):
+        return values[0] if single else list(values)
+
+    kwargs = dict(controlnet_conditioning_scale=each([c.scale for c in controls]),
+                  control_guidance_start=each([c.start for c in controls]),
+                  control_guidance_end=each([c.end for c in controls]), guess_mode=p.guess_mode)
+    if p.image is not None:
+        kwargs.update(image=_pil(p.image).convert("RGB"), control_image=each(images))
+        if p.strength is not None:
+            kwargs["strength"] = p.strength
+    else:
+        kwargs["image"] = each(images)
+    original = pipe.scheduler
+    config = dict(original.config, _class_name=type(original).__name__)
+    pipe.scheduler = make_scheduler(p.sampler, config) if p.sampler != "default" else type(original).from_config(config)
+    out = pipe(p.prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.steps, guidance_scale=p.guidance,
+               height=p.height, width=p.width, generator=torch.Generator("cpu").manual_seed(p.seed),
+               output_type="latent", **kwargs)
+    return out.images[0].float().numpy()
+
+
+def plain_pipeline_output(folder, p: GenerateParams) -> np.ndarray:
+    from engine.testing.pipeline_oracle import pipeline_output_of
+
+    return pipeline_output_of(folder, p)
+
+
+def oracle(folders, name, p):
+    if not p.controls:
+        return plain_pipeline_output(folders[name], p)
+    return controlnet_pipeline_output(folders[name], folders[f"{name}-nets"], p)
+
+
+def encode_alone(core: EngineCore, p: GenerateParams) -> None:
+    """The prompt rows one text at a time, as the pipeline encodes them (the alone tests
+    compare the ControlNet path, not the text encoder's batch invariance)."""
+    for text in (p.prompt, core.model.negative_text(p) if core.model.cfg_scale(p) is not None else None):
+        if text is not None:
+            core.embeddings.get_many([text])
+
+
+def request(rng: random.Random, controls=(), **fields) -> GenerateParams:
+    drawn = dict(prompt=rng.choice(PROMPTS), negative_prompt=rng.choice(["", "blurry"]), steps=rng.choice([5, 7]),
+                 guidance=rng.choice([1.0, 3.5]), seed=rng.randrange(10_000), output="latent", controls=tuple(controls))
+    return GenerateParams(**{**drawn, **fields})
+
+
+# ---- a request alone equals the pipeline ------------------------------------------------------
+
+ALONE = [
+    ("sd", "single", "default"), ("sd", "single", "dpmpp_2m"), ("sd", "multi", "default"),
+    ("sd", "window", "euler_ancestral"), ("sd", "guess", "default"), ("sd", "guess-one-row", "default"),
+    ("sd", "resized", "default"), ("sdxl", "single", "default"), ("sdxl", "guess", "default"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, case, sampler", ALONE, ids=[f"{n}-{c}-{s}" for n, c, s in ALONE])
+def test_request_alone_equals_the_controlnet_pipeline(folders, name, case, sampler):
+    rng = random.Random(f"alone-{name}-{case}-{sampler}")
+    model = served(folders, name)
+    a = Control("a", control_image(rng), scale=round(rng.uniform(0.5, 1.5), 2))
+    fields = dict(sampler=sampler, guidance=3.5)
+    if case == "multi":
+        controls = [a, Control("b", control_image(rng), scale=0.6), Control("a", control_image(rng), scale=1.2)]
+    elif case == "window":
+        controls = [Control("a", a.image, scale=1.1, start=0.2, end=0.7), Control("b", control_image(rng), end=0.5)]
+    elif case.startswith("guess"):
+        controls = [a]
+        fields.update(guess_mode=True, guidance=1.0 if case == "guess-one-row" else 3.5)
+    elif case == "resized":  # a control image of another size, resized to the output's
+        controls = [Control("a", control_image(rng, 20, 12), scale=0.9)]
+        fields.update(height=16, width=24)
+    else:
+        controls = [a]
+    if name != "sd":
+        controls = [c for c in controls if c.name == "a"]
+    p = request(rng, controls, **fields)
+    core = EngineCore(model, CoreConfig(slots=2))
+    encode_alone(core, p)
+    d = run_to_end(core, {"r": p})
+    assert "r" in d.finished, d.failed
+    got = d.finished["r"].latents.numpy()
+    want = oracle(folders, name, p)
+    err = rel_l2(got, want)
+    plain = oracle(folders, name, msgspec_replace(p, controls=(), guess_mode=False))
+    print(f"alone {name} {case} {sampler}: relative L2 {err:.2e} (the control moves it {rel_l2(plain, want):.2f})")
+    assert got.shape == want.shape
+    assert err <= ALONE_TOL
+    assert rel_l2(plain, want) > 100 * ALONE_TOL, "the control changed nothing: the test could not fail"
+
+
+def msgspec_replace(p, **fields):
+    import msgspec
+
+    return msgspec.structs.replace(p, **fields)
+
+
+@pytest.mark.timeout(120)
+def test_controlnet_img2img_equals_its_pipeline(folders):
+    from test_image_inputs import draw_image, encoded
+
+    rng = random.Random("img2img")
+    p = request(rng, [Control("a", control_image(rng), scale=0.8)], image=encoded(draw_image(rng, 16, 16)),
+                strength=0.7, steps=8, guidance=3.5)
+    core = EngineCore(served(folders, "sd"), CoreConfig(slots=2))
+    encode_alone(core, p)
+    got = run_to_end(core, {"r": p}).finished["r"].latents.numpy()
+    assert rel_l2(got, oracle(folders, "sd", p)) <= ALONE_TOL
+
+
+# ---- the shared batch ---------------------------------------------------------------------------
+
+class RowCounter:
+    """Wraps each ControlNet's forward: the rows it was run on, per call."""
+
+    def __init__(self, model):
+        self.calls = {name: [] for name in model.controlnets}
+        self.saved = {}
+        for name, net in model.controlnets.items():
+            self.saved[name] = net.forward
+
+            def counted(sample, *args, _name=name, _forward=net.forward, **kwargs):
+                self.calls[_name].append(int(sample.shape[0]))
+                return _forward(sample, *args, **kwargs)
+
+            net.forward = counted
+
+    def restore(self, model):
+        for name, net in model.controlnets.items():
+            del net.forward
+
+
+@pytest.mark.timeout(400)
+def test_plain_controlled_windowed_guessing_and_image_rows_share_batches(folders):
+    from test_image_inputs import draw_image, encoded
+
+    model = served(folders, "sd")
+    rng = random.Random("shared")
+    samplers = ["default", "dpmpp_2m", "euler_ancestral"]
+    kinds = ["plain", "a", "a+b", "window", "guess", "img2img", "img2img+a"]
+    cases = {}
+    for k in range(10):
+        kind = kinds[k % len(kinds)]
+        fields = dict(sampler=samplers[k % 3])
+        controls = []
+        if kind in ("a", "img2img+a"):
+            controls = [Control("a", control_image(rng), scale=rng.choice([0.7, 1.3]))]
+        elif kind == "a+b":
+            controls = [Control("a", control_image(rng), scale=0.8), Control("b", control_image(rng), scale=1.4)]
+        elif kind == "window":
+            controls = [Control("b", control_image(rng), scale=1.2, start=0.3, end=0.8)]
+        elif kind == "guess":
+            controls = [Control("a", control_image(rng), scale=1.0)]
+            fields["guess_mode"] = True
+        if kind.startswith("img2img"):
+            fields.update(image=encoded(draw_image(rng, 16, 16)), strength=rng.choice([0.5, 0.8]))
+        cases[f"r{k}-{kind}"] = request(rng, controls, **fields)
+    victims = {"v0": request(rng, [Control("a", control_image(rng))], steps=20),
+               "v1": request(rng, [Control("b", control_image(rng)), Control("a", control_image(rng))], steps=20)}
+    pending = list(cases.items())
+    pending.insert(1, ("v0", victims["v0"]))
+    pending.insert(4, ("v1", victims["v1"]))
+    core = EngineCore(model, CoreConfig(slots=4, max_queue=32))
+    seen = {"mixed": 0}
+
+    def join_cancel_and_count(d):
+        for _ in range(rng.choice((0, 1, 1, 2))):  # late joins
+            if pending:
+                core.add_request(*pending.pop(0))
+        for vid in victims:
+            r = core.requests.get(vid)
+            if r is not None and r.step >= 3 and not r.stopping:
+                core.abort_requests([vid])
+        running = [r for g in core.groups.values() for r in g.requests if r is not None and g.runnable[r.slot]]
+        seen["mixed"] += {bool(r.params.controls) or "controls" in r.slot_inputs for r in running} == {True, False}
+
+    counter = RowCounter(model)
+    try:
+        d = run_to_end(core, before_step=join_cancel_and_count, waiting=lambda: bool(pending), limit=2000)
+    finally:
+        counter.restore(model)
+    assert set(d.canceled) == set(victims) and set(d.results) == set(cases), d.failed
+    assert seen["mixed"] > 5, "controlled and plain requests did not share batches"
+    # each ControlNet ran on a sub-batch only: never on every row of a call
+    assert counter.calls["a"] and counter.calls["b"]
+    assert max(counter.calls["b"]) < 8
+    for rid, p in cases.items():
+        err = rel_l2(d.results[rid], oracle(folders, "sd", p))
+        print(f"shared {rid} {p.sampler}: relative L2 {err:.2e}")
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
+
+
+@pytest.mark.timeout(120)
+def test_each_controlnet_runs_only_on_its_rows_in_their_window(folders):
+    """Three requests in one call: plain, A (two rows), A+B windowed to the first half
+    (two rows, guess mode: one row each); the ControlNets' row counts per step say who ran."""
+    model = served(folders, "sd")
+    rng = random.Random("rows")
+    cases = {"plain": request(rng, steps=4, guidance=3.5),
+             "a": request(rng, [Control("a", control_image(rng))], steps=4, guidance=3.5),
+             "ab": request(rng, [Control("a", control_image(rng)), Control("b", control_image(rng), end=0.5)],
+                           steps=4, guidance=3.5, guess_mode=True)}
+    counter = RowCounter(model)
+    try:
+        d = run_to_end(EngineCore(model, CoreConfig(slots=4)), cases)
+    finally:
+        counter.restore(model)
+    assert set(d.finished) == set(cases)
+    assert counter.calls["a"] == [3] * 4  # a's two rows and ab's prompt row, every step
+    assert counter.calls["b"] == [1] * 2  # ab's prompt row, the first half of its steps
+
+
+# ---- parking ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_controls_are_parked_and_brought_back_with_the_slot(folders):
+    model = served(folders, "sd")
+    rng = random.Random("park")
+    low = request(rng, [Control("a", control_image(rng), scale=1.2), Control("b", control_image(rng), start=0.2)],
+                  steps=10, guidance=3.5, priority=0)
+    highs = {f"h{k}": request(rng, steps=3, priority=10) for k in range(2)}
+    core = EngineCore(model, CoreConfig(slots=1, preempt_min_steps=1))
+    arrivals = {3: list(highs.items())}
+
+    def add_highs(d):
+        for item in arrivals.pop(d.calls, []):
+            core.add_request(*item)
+
+    d = run_to_end(core, {"low": low}, before_step=add_highs, limit=500)
+    assert set(d.finished) == {"low", *highs}, d.failed
+    assert d.finished["low"].timings.preemptions >= 1
+    assert rel_l2(d.results["low"], oracle(folders, "sd", low)) <= SHARED_TOL
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_bad_controls_are_rejected_naming_the_field(folders):
+    rng = random.Random("bad")
+    image = control_image(rng)
+    core = EngineCore(served(folders, "sd"), CoreConfig(slots=2))
+    bad = {
+        "unknown name": [Control("nope", image)],
+        "not an image": [Control("a", b"not an image")],
+        "empty image": [Control("a", b"")],
+        "nan scale": [Control("a", image, scale=float("nan"))],
+        "huge scale": [Control("a", image, scale=1e6)],
+        "empty window": [Control("a", image, start=0.5, end=0.5)],
+        "window past the end": [Control("a", image, end=1.5)],
+        "negative start": [Control("a", image, start=-0.1)],
+        "too many": [Control("a", image)] * 9,
+    }
+    for why, controls in bad.items():
+        with pytest.raises(RequestRejected) as info:
+            core.add_request(why, GenerateParams(prompt="a red circle", controls=tuple(controls)))
+        assert info.value.field == "controls", why
+    with pytest.raises(RequestRejected) as info:
+        core.add_request("guess", GenerateParams(prompt="a red circle", guess_mode=True))
+    assert info.value.field == "guess_mode"
+    plain = EngineCore(load_model(folders["sd"]), CoreConfig(slots=2))  # serves no ControlNet
+    with pytest.raises(RequestRejected) as info:
+        plain.add_request("r", GenerateParams(prompt="a red circle", controls=(Control("a", image),)))
+    assert info.value.field == "controls" and "--controlnet" in info.value.reason
+    # nothing else was lost: a good request still runs
+    d = run_to_end(core, {"ok": GenerateParams(prompt="a red circle", steps=2, output="latent",
+                                               controls=(Control("a", image),))})
+    assert "ok" in d.finished
+
+
+def test_a_controlnet_that_does_not_fit_the_unet_is_refused(folders):
+    sd = load_model(folders["sd"])
+    with pytest.raises(ValueError, match="not the served UNet"):
+        load_controlnet(sd, folders["sdxl-nets"]["a"])
+    with pytest.raises(ValueError, match="not a ControlNet folder"):
+        load_controlnet(sd, folders["sd"])
