@@ -82,6 +82,29 @@ class AdapterOptions:
 
 
 @dataclasses.dataclass
+class ControlNetOptions:
+    """The ControlNets the engine serves beside the model (engine.models.controlnet)."""
+
+    controlnets: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--controlnet", metavar="NAME=PATH",
+        help="serve the diffusers ControlNetModel folder PATH as ControlNet NAME (repeatable); requests name it in "
+             "`controls`"))
+
+
+def parse_controlnets(specs: list[str]) -> dict[str, str]:
+    """NAME=PATH flags → {NAME: PATH}; ValueError saying which one is wrong."""
+    found = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--controlnet {spec!r}: NAME=PATH")
+        if name in found:
+            raise ValueError(f"--controlnet {name}: given twice")
+        found[name] = path
+    return found
+
+
+@dataclasses.dataclass
 class ServeOptions:
     """`serve`'s own flags, beside the engine's and the engine process's."""
 
@@ -137,6 +160,7 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS, defaults={"slots": None})
     add_config_arguments(ap.add_argument_group("decode"), DecodeConfig)
     add_config_arguments(ap.add_argument_group("adapters"), AdapterOptions)
+    add_config_arguments(ap.add_argument_group("controlnets"), ControlNetOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +187,7 @@ def serve(args: argparse.Namespace) -> int:
     adapter_options = config_from_args(AdapterOptions, args)
     address = options.address or transport.default_address()
     try:  # fail before the slow imports and model load
+        controlnets = parse_controlnets(config_from_args(ControlNetOptions, args).controlnets)
         transport.check_bind_address(address, args.allow_remote_bind)
         proc_config = proc_config_from_args(args, address=address, model_name=str(model_options.model))
     except ValueError as exc:
@@ -187,6 +212,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     log.info("loading model %s on %s (%s)", model_options.model, device, model_options.dtype)
     model = load_model(model_options.model, device, dtype=model_options.dtype)
+    if controlnets:
+        from engine.models.controlnet import attach_controlnets
+
+        try:  # checked against the served UNet: a ControlNet that does not fit stops the start
+            attach_controlnets(model, controlnets)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        log.info("ControlNets: %s", ", ".join(controlnets))
     slots = args.slots
     if slots is None:  # from the denoiser's own curve on a CPU; on CUDA the config's default
         if device == "cpu":

@@ -252,6 +252,7 @@ class Welcome(Message, tag="welcome"):
     pipeline: str = ""  # the served folder's pipeline class
     max_message_bytes: int = MAX_MESSAGE_BYTES  # larger client messages are Rejected naming this limit
     max_input_bytes: int = MAX_INPUT_BYTES  # each input frame at most this many bytes (Submit.inputs)
+    controlnets: list[str] = []  # the ControlNets served beside the model (`--controlnet`), by name
 
 
 class Accepted(Message, tag="accepted"):
@@ -459,15 +460,17 @@ def _frame_field_types(struct_type) -> dict[str, tuple[bool, object]]:
 
 #: The fields of `GenerateParams` whose bytes travel as frames (top level), in declaration order.
 FRAME_FIELDS = tuple(_frame_field_types(GenerateParams))
+#: Those that are bytes themselves (one file each in an upload form; `controls` holds its images nested).
+FILE_FIELDS = tuple(name for name, (_, nested) in _frame_field_types(GenerateParams).items() if nested is None)
 
 
 def frame_field_descriptions() -> dict[str, str]:
-    """field → its declared description, for every top-level frame field (upload forms)."""
+    """field → its declared description, for every top-level bytes field (upload forms' files)."""
     import msgspec.inspect as mi
 
     described = {}
     for field in mi.type_info(GenerateParams).fields:
-        if field.name in FRAME_FIELDS:
+        if field.name in FILE_FIELDS:
             kinds = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
             meta = next((k for k in kinds if isinstance(k, mi.Metadata)), None)
             described[field.name] = ((meta.extra_json_schema or {}).get("description", "") if meta else "")

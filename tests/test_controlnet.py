@@ -381,3 +381,75 @@ def test_a_controlnet_that_does_not_fit_the_unet_is_refused(folders):
         load_controlnet(sd, folders["sdxl-nets"]["a"])
     with pytest.raises(ValueError, match="not a ControlNet folder"):
         load_controlnet(sd, folders["sd"])
+
+
+# ---- the interfaces: engine process, Python client, HTTP, CLI -------------------------------
+
+@pytest.mark.timeout(400)
+def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders, tmp_path):
+    import base64
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from engine.protocol import Completed
+    from frontend import Client
+    from tests.http_helpers import serving
+    from tests.output_contract import assert_images_close
+    from tests.proc_helpers import REPO, env
+
+    pytest.importorskip("openai")
+    rng = random.Random("interfaces")
+    nets = folders["sd-nets"]
+    edges, other = control_image(rng), control_image(rng)
+    with serving("--model", str(folders["sd"]), "--slots", "2", "--decode-workers", "1",
+                 "--controlnet", f"a={nets['a']}", "--controlnet", f"b={nets['b']}") as (engine, gw):
+        listed = httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]
+        assert {(m["id"], m.get("type")) for m in listed} >= {("a", "controlnet"), ("b", "controlnet")}
+
+        # the Python client: nested bytes travel as frames (controls.N.image), latents against the pipeline
+        p = GenerateParams(prompt="a red circle", steps=4, guidance=3.0, seed=11, output="latent", negative_prompt="",
+                           controls=(Control("a", edges, scale=0.8), Control("b", other, scale=1.2, end=0.5)))
+        with Client(engine.address) as client:
+            result = client.submit(p, progress=False).result(timeout=120)
+            assert isinstance(result, Completed), result
+            latents = np.asarray(result.output).reshape(4, 8, 8)
+            assert rel_l2(latents, oracle(folders, "sd", p)) <= SHARED_TOL
+            png_fields = dict(prompt="a red circle", steps=4, guidance=3.0, seed=11, negative_prompt="",
+                              controls=(Control("a", edges, scale=0.8),))
+            direct = client.submit(GenerateParams(**png_fields), progress=False).result(timeout=120)
+            assert isinstance(direct, Completed), direct
+            plain = client.submit(GenerateParams(**{**png_fields, "controls": ()}), progress=False).result(timeout=120)
+
+        # the openai client: extra_body controls with a base64 image; the same image as the Python client's
+        openai_client = gw.openai()
+        body = {"steps": 4, "guidance": 3.0, "seed": 11, "negative_prompt": "",
+                "controls": [{"name": "a", "image": base64.b64encode(edges).decode(), "scale": 0.8}]}
+        r = openai_client.images.generate(prompt="a red circle", response_format="b64_json", extra_body=body)
+        assert_images_close(r.data[0].b64_json, direct.output)
+        from tests.output_contract import image_difference
+
+        assert image_difference(r.data[0].b64_json, plain.output) > 1, "the control changed nothing"
+        # a bad control: 400 naming controls, nothing else lost
+        bad = httpx.post(gw.url + "/v1/images/generations", timeout=60, json={
+            "prompt": "a red circle", "controls": [{"name": "nope", "image": base64.b64encode(edges).decode()}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "controls", bad.text
+        # the edits form: controls as JSON text beside the image file
+        r = openai_client.images.edit(image=("in.png", other, "image/png"), prompt="a red circle",
+                                      extra_body={"steps": 4, "strength": 0.6, "seed": 3,
+                                                  "controls": json.dumps([{"name": "a", "scale": 0.9,
+                                                                           "image": base64.b64encode(edges).decode()}])})
+        assert r.data[0].b64_json
+
+        # the CLI: --control NAME=PATH:SCALE
+        path = tmp_path / "edges.png"
+        path.write_bytes(edges)
+        out = tmp_path / "out.png"
+        done = subprocess.run([sys.executable, "-m", "frontend", "generate", "--address", engine.address,
+                               "--prompt", "a red circle", "--steps", "4", "--guidance", "3", "--seed", "11",
+                               "--control", f"a={path}:0.8", "-o", str(out)],
+                              cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert_images_close(base64.b64encode(out.read_bytes()).decode(), direct.output)
