@@ -88,16 +88,17 @@ def _oracle_net(path):
 
 
 @torch.no_grad()
-def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams) -> np.ndarray:
+def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams, base=None) -> np.ndarray:
     """The ControlNet pipeline's latents for `p`: one `ControlNetModel` for one control, a
     `MultiControlNetModel` of the named ones (in order) for several; the img2img
     ControlNet pipeline with an image; the sampler swapped in as the pipeline oracle does."""
     import diffusers
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
-    base = load_pipeline(str(folder))
+    base = base or load_pipeline(str(folder))
     xl = type(base).__name__.startswith("StableDiffusionXL")
-    kind = ("StableDiffusionXL" if xl else "StableDiffusion") + "ControlNet" + ("Img2Img" if p.image else "") + "Pipeline"
+    image_kind = "" if p.image is None else "Inpaint" if p.mask is not None else "Img2Img"
+    kind = ("StableDiffusionXL" if xl else "StableDiffusion") + "ControlNet" + image_kind + "Pipeline"
     controls = p.controls
     single = len(controls) == 1
     models = [_oracle_net(str(nets[c.name])) for c in controls]
@@ -113,6 +114,8 @@ def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams) -> np.ndar
                   control_guidance_end=each([c.end for c in controls]), guess_mode=p.guess_mode)
     if p.image is not None:
         kwargs.update(image=_pil(p.image).convert("RGB"), control_image=each(images))
+        if p.mask is not None:
+            kwargs["mask_image"] = _pil(p.mask)
         if p.strength is not None:
             kwargs["strength"] = p.strength
     else:
@@ -203,17 +206,26 @@ def msgspec_replace(p, **fields):
     return msgspec.structs.replace(p, **fields)
 
 
-@pytest.mark.timeout(120)
-def test_controlnet_img2img_equals_its_pipeline(folders):
-    from test_image_inputs import draw_image, encoded
+IMAGE_CASES = [("sd", False), ("sd", True), ("sdxl", False), ("sdxl", True)]
 
-    rng = random.Random("img2img")
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, masked", IMAGE_CASES, ids=[f"{n}-{'inpaint' if m else 'img2img'}" for n, m in IMAGE_CASES])
+def test_controlnet_img2img_and_inpainting_equal_their_pipelines(folders, name, masked):
+    """`StableDiffusion(XL)ControlNetImg2ImgPipeline` / `...ControlNetInpaintPipeline`: the
+    image kind's start and the controls kind's residuals together."""
+    from test_image_inputs import draw_image, draw_mask, encoded
+
+    rng = random.Random(f"image-{name}-{masked}")
     p = request(rng, [Control("a", control_image(rng), scale=0.8)], image=encoded(draw_image(rng, 16, 16)),
-                strength=0.7, steps=8, guidance=3.5)
-    core = EngineCore(served(folders, "sd"), CoreConfig(slots=2))
+                mask=encoded(draw_mask(rng, 16, 16)) if masked else None, strength=0.7, steps=8, guidance=3.5,
+                height=16, width=16)
+    core = EngineCore(served(folders, name), CoreConfig(slots=2))
     encode_alone(core, p)
     got = run_to_end(core, {"r": p}).finished["r"].latents.numpy()
-    assert rel_l2(got, oracle(folders, "sd", p)) <= ALONE_TOL
+    want = oracle(folders, name, p)
+    print(f"{name} {'inpaint' if masked else 'img2img'}: relative L2 {rel_l2(got, want):.2e}")
+    assert rel_l2(got, want) <= ALONE_TOL
 
 
 # ---- the shared batch ---------------------------------------------------------------------------
@@ -316,6 +328,49 @@ def test_each_controlnet_runs_only_on_its_rows_in_their_window(folders):
     assert set(d.finished) == set(cases)
     assert counter.calls["a"] == [3] * 4  # a's two rows and ab's prompt row, every step
     assert counter.calls["b"] == [1] * 2  # ab's prompt row, the first half of its steps
+
+
+@pytest.mark.timeout(300)
+def test_lora_rows_and_controlnet_rows_share_calls(folders, tmp_path):
+    """Plain, LoRA, ControlNet and LoRA + ControlNet rows in the same calls, each equal to
+    the pipeline (`load_lora_weights` + `set_adapters`, the ControlNet pipeline made
+    `from_pipe` of it): the adapter rows and the ControlNets' sub-batches do not disturb each other."""
+    from diffusers import StableDiffusionPipeline
+
+    from engine.lora import AdapterPool
+    from engine.testing.loras import lora_pipeline, make_lora
+
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
+    spec = dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    make_lora(StableDiffusionPipeline.from_pretrained(folders["sd"]), "A", 41, {"unet": spec}, lora_dir / "A")
+    model = load_model(folders["sd"])  # its own: the pool wraps its UNet's layers
+    attach_controlnets(model, folders["sd-nets"])
+    core = EngineCore(model, CoreConfig(slots=4), adapters=AdapterPool(model, lora_dir, budget_bytes=64 << 20))
+    rng = random.Random("lora")
+    cases = {"plain": request(rng, steps=5, guidance=3.5),
+             "lora": request(rng, steps=5, guidance=3.5, loras={"A": 0.8}),
+             "control": request(rng, [Control("a", control_image(rng), scale=0.9)], steps=5, guidance=3.5),
+             "both": request(rng, [Control("a", control_image(rng)), Control("b", control_image(rng), scale=0.7)],
+                             steps=5, guidance=3.5, loras={"A": 1.2})}
+    d = run_to_end(core, cases)
+    assert set(d.results) == set(cases), d.failed
+    pipe = lora_pipeline(str(folders["sd"]), str(lora_dir))
+    for rid, p in cases.items():
+        if p.loras:
+            pipe.enable_lora()
+            pipe.set_adapters(list(p.loras), adapter_weights=list(p.loras.values()))
+        else:
+            pipe.disable_lora()
+        if p.controls:
+            want = controlnet_pipeline_output(folders["sd"], folders["sd-nets"], p, base=pipe)
+        else:
+            from engine.testing.loras import lora_pipeline_output
+
+            want = lora_pipeline_output(folders["sd"], lora_dir, p)
+        err = rel_l2(d.results[rid], want)
+        print(f"lora-shared {rid}: relative L2 {err:.2e}")
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
 
 
 # ---- parking ------------------------------------------------------------------------------------
