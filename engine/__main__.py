@@ -83,12 +83,16 @@ class AdapterOptions:
 
 @dataclasses.dataclass
 class ControlNetOptions:
-    """The ControlNets the engine serves beside the model (engine.models.controlnet)."""
+    """The ControlNets (engine.models.controlnet) and the IP-Adapter (engine.models.ip_adapter)
+    the engine serves beside the model."""
 
     controlnets: list[str] = dataclasses.field(default_factory=list, metadata=cli(
         "--controlnet", metavar="NAME=PATH",
         help="serve the diffusers ControlNetModel folder PATH as ControlNet NAME (repeatable); requests name it in "
              "`controls`"))
+    ip_adapter: str | None = dataclasses.field(default=None, metadata=cli(
+        "--ip-adapter", metavar="PATH",
+        help="serve the IP-Adapter in PATH (its weights file and image_encoder/); requests give an ip_image"))
 
 
 def parse_controlnets(specs: list[str]) -> dict[str, str]:
@@ -187,7 +191,8 @@ def serve(args: argparse.Namespace) -> int:
     adapter_options = config_from_args(AdapterOptions, args)
     address = options.address or transport.default_address()
     try:  # fail before the slow imports and model load
-        controlnets = parse_controlnets(config_from_args(ControlNetOptions, args).controlnets)
+        control_options = config_from_args(ControlNetOptions, args)
+        controlnets = parse_controlnets(control_options.controlnets)
         transport.check_bind_address(address, args.allow_remote_bind)
         proc_config = proc_config_from_args(args, address=address, model_name=str(model_options.model))
     except ValueError as exc:
@@ -221,6 +226,15 @@ def serve(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         log.info("ControlNets: %s", ", ".join(controlnets))
+    if control_options.ip_adapter:
+        from engine.models.ip_adapter import attach_ip_adapter
+
+        try:
+            attach_ip_adapter(model, control_options.ip_adapter)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        log.info("IP-Adapter: %s", control_options.ip_adapter)
     slots = args.slots
     if slots is None:  # from the denoiser's own curve on a CPU; on CUDA the config's default
         if device == "cpu":

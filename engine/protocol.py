@@ -158,6 +158,10 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     # ControlNets (each control image travels as its own frame, `controls.N.image`)
     controls: tuple[Control, ...] = ()
     guess_mode: bool = False  # SD/SDXL ControlNet's guess mode: the ControlNets see only the prompt's row
+    # IP-Adapter (`--ip-adapter`): an image as a prompt, at a scale
+    ip_image: Annotated[bytes, msgspec.Meta(description=(
+        "IP-Adapter: an image as a prompt, PNG, JPEG or WebP (the engine's --ip-adapter)"))] | None = None
+    ip_scale: float = 1.0  # its scale (the pipeline's set_ip_adapter_scale)
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -38,6 +38,7 @@ PARAM_FLAGS = {
     "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
                   help="a step cache for this request: first_block, mag, taylorseer, or off (default: the server's)"),
     "guess_mode": flag("--guess-mode", help="with --control: SD/SDXL ControlNet guess mode"),
+    "ip_scale": flag("--ip-scale", help="with --ip-image: the IP-Adapter's scale"),
 }
 # the empty negative prompt unless told otherwise, on every pipeline (SDXL zeroes an absent one instead)
 PARAM_DEFAULTS = {"negative_prompt": ""}

@@ -441,7 +441,7 @@ def test_a_controlnet_that_does_not_fit_the_unet_is_refused(folders):
 # ---- the interfaces: engine process, Python client, HTTP, CLI -------------------------------
 
 @pytest.mark.timeout(400)
-def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders, tmp_path):
+def test_controls_and_ip_images_through_the_engine_process_the_client_http_and_the_cli(folders, tmp_path):
     import base64
     import json
     import subprocess
@@ -459,8 +459,13 @@ def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders
     rng = random.Random("interfaces")
     nets = folders["sd-nets"]
     edges, other = control_image(rng), control_image(rng)
+    from engine.testing.tiny_pipelines import build_ip_adapter
+
+    ip_folder = build_ip_adapter(tmp_path / "ip", folders["sd"], seed=5)
+    picture = control_image(rng)
     with serving("--model", str(folders["sd"]), "--slots", "2", "--decode-workers", "1",
-                 "--controlnet", f"a={nets['a']}", "--controlnet", f"b={nets['b']}") as (engine, gw):
+                 "--controlnet", f"a={nets['a']}", "--controlnet", f"b={nets['b']}",
+                 "--ip-adapter", str(ip_folder)) as (engine, gw):
         listed = httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]
         assert {(m["id"], m.get("type")) for m in listed} >= {("a", "controlnet"), ("b", "controlnet")}
 
@@ -477,6 +482,10 @@ def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders
             direct = client.submit(GenerateParams(**png_fields), progress=False).result(timeout=120)
             assert isinstance(direct, Completed), direct
             plain = client.submit(GenerateParams(**{**png_fields, "controls": ()}), progress=False).result(timeout=120)
+            ip_fields = dict(prompt="a red circle", steps=4, guidance=3.0, seed=12, negative_prompt="",
+                             ip_image=picture, ip_scale=0.7)
+            direct_ip = client.submit(GenerateParams(**ip_fields), progress=False).result(timeout=120)
+            assert isinstance(direct_ip, Completed), direct_ip
 
         # the openai client: extra_body controls with a base64 image; the same image as the Python client's
         openai_client = gw.openai()
@@ -487,6 +496,11 @@ def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders
         from tests.output_contract import image_difference
 
         assert image_difference(r.data[0].b64_json, plain.output) > 1, "the control changed nothing"
+        # the IP-Adapter through the openai client: ip_image as base64
+        r = openai_client.images.generate(prompt="a red circle", response_format="b64_json", extra_body={
+            "steps": 4, "guidance": 3.0, "seed": 12, "negative_prompt": "",
+            "ip_image": base64.b64encode(picture).decode(), "ip_scale": 0.7})
+        assert_images_close(r.data[0].b64_json, direct_ip.output)
         # a bad control: 400 naming controls, nothing else lost
         bad = httpx.post(gw.url + "/v1/images/generations", timeout=60, json={
             "prompt": "a red circle", "controls": [{"name": "nope", "image": base64.b64encode(edges).decode()}]})
@@ -508,3 +522,11 @@ def test_controls_through_the_engine_process_the_client_http_and_the_cli(folders
                               cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert_images_close(base64.b64encode(out.read_bytes()).decode(), direct.output)
+        path = tmp_path / "picture.png"
+        path.write_bytes(picture)
+        done = subprocess.run([sys.executable, "-m", "frontend", "generate", "--address", engine.address,
+                               "--prompt", "a red circle", "--steps", "4", "--guidance", "3", "--seed", "12",
+                               "--ip-image", str(path), "--ip-scale", "0.7", "-o", str(out)],
+                              cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert_images_close(base64.b64encode(out.read_bytes()).decode(), direct_ip.output)

@@ -24,6 +24,7 @@ Which model takes which (a field a model does not take stays None):
 | guidance | | | | dev (embedded) | |
 | timestep_cond | LCM UNets | LCM UNets | | | |
 | lora_index, lora_scale | adapters | adapters | adapters | adapters | |
+| ip_embeds, ip_scale | IP-Adapter | IP-Adapter | | | |
 | controls | ControlNets | ControlNets | | | |
 
 `controls` is not a tensor but the call's `engine.models.controlnet.ControlCall` (which
@@ -48,6 +49,8 @@ class ModelInputs:
     timestep_cond: torch.Tensor | None = None  # rows × time_cond_proj_dim: LCM's guidance embedding
     lora_index: torch.Tensor | None = None  # rows × K int32: adapter slots in the pool, -1 none
     lora_scale: torch.Tensor | None = None  # rows × K float32: each adapter's scale
+    ip_embeds: torch.Tensor | None = None  # rows × 1 × width: IP-Adapter image embeddings (zeros: none)
+    ip_scale: torch.Tensor | None = None  # rows × 1 float32: each row's IP-Adapter scale (0: none)
     controls: object | None = None  # the call's ControlCall: its rows' ControlNets (None: no row has one)
 
     def named(self) -> dict[str, torch.Tensor]:

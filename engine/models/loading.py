@@ -559,8 +559,22 @@ class StableDiffusionModel(_PipelineModel):
         cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)
         residuals = {} if inputs.controls is None else inputs.controls.residuals(
             inputs.sample, inputs.timestep, inputs.hidden)
+        added = self.ip_adapter_inputs(inputs, None)
         return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
-                              timestep_cond=cond, return_dict=False, **residuals)[0]
+                              timestep_cond=cond, added_cond_kwargs=added, return_dict=False, **residuals)[0]
+
+    #: the IP-Adapter folder served (`engine.models.ip_adapter.attach_ip_adapter`), or None
+    ip_adapter = None
+
+    def ip_adapter_inputs(self, inputs: ModelInputs, added: dict | None) -> dict | None:
+        """`added_cond_kwargs` with the rows' IP-Adapter image embeddings, their scales bound
+        to the attention processors (unchanged without an IP-Adapter)."""
+        if inputs.ip_embeds is None:
+            return added
+        from engine.models.ip_adapter import bind_ip_scale
+
+        bind_ip_scale(self.pipe.unet, inputs.ip_scale)
+        return {**(added or {}), "image_embeds": [inputs.ip_embeds.to(self.dtype)]}
 
 
 class StableDiffusion3Model(_PipelineModel):

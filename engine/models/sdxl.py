@@ -80,4 +80,5 @@ class StableDiffusionXLModel(StableDiffusionModel):
         residuals = {} if inputs.controls is None else inputs.controls.residuals(
             inputs.sample, inputs.timestep, inputs.hidden, added)
         return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
-                              timestep_cond=cond, added_cond_kwargs=added, return_dict=False, **residuals)[0]
+                              timestep_cond=cond, added_cond_kwargs=self.ip_adapter_inputs(inputs, added),
+                              return_dict=False, **residuals)[0]

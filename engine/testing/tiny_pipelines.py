@@ -531,3 +531,50 @@ def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3) -> pathl
             conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * gain * 0.1)
     controlnet.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def build_ip_adapter(folder, base, *, seed: int = 0, projection_dim: int = 24, image_size: int = 32,
+                     gain: float = 1.0) -> pathlib.Path:
+    """Write a tiny IP-Adapter folder for the SD or SDXL folder `base` and return its path:
+    `image_encoder/` (a random `CLIPVisionModelWithProjection`, `projection_dim`-wide image
+    embeddings) and `ip_adapter.safetensors` in the checkpoints' own layout, built as
+    diffusers' tests build theirs for `load_ip_adapter`: `image_proj.` (the plain IP-Adapter's
+    projection to 4 tokens: `proj`, `norm`) and `ip_adapter.{1, 3, 5, ...}.to_k_ip/to_v_ip`
+    for each cross-attention processor of the UNet, in its order. Random weights (normal,
+    seeded, × `gain` / √fan-in)."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    folder, base = pathlib.Path(folder), pathlib.Path(base)
+    folder.mkdir(parents=True, exist_ok=True)
+    unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=32, intermediate_size=37, projection_dim=projection_dim, num_hidden_layers=2,
+        num_attention_heads=4, image_size=image_size, patch_size=8, num_channels=3)).eval()
+    encoder.save_pretrained(folder / "image_encoder", safe_serialization=True)
+    generator = torch.Generator().manual_seed(seed)
+
+    def random(*shape):
+        return (torch.randn(shape, generator=generator) * gain / shape[-1] ** 0.5).contiguous()
+
+    cross = int(unet.config.cross_attention_dim)
+    state = {"image_proj.proj.weight": random(4 * cross, projection_dim), "image_proj.proj.bias": random(4 * cross),
+             "image_proj.norm.weight": 1 + random(cross), "image_proj.norm.bias": random(cross)}
+    blocks = list(unet.config.block_out_channels)
+    key_id = 1
+    for name in unet.attn_processors:
+        if name.endswith("attn1.processor"):
+            continue
+        if name.startswith("mid_block"):
+            hidden = blocks[-1]
+        elif name.startswith("up_blocks"):
+            hidden = blocks[::-1][int(name[len("up_blocks.")])]
+        else:
+            hidden = blocks[int(name[len("down_blocks.")])]
+        state[f"ip_adapter.{key_id}.to_k_ip.weight"] = random(hidden, cross)
+        state[f"ip_adapter.{key_id}.to_v_ip.weight"] = random(hidden, cross)
+        key_id += 2
+    save_file(state, str(folder / "ip_adapter.safetensors"))
+    return folder

@@ -100,6 +100,9 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
         "PNG/JPEG/WebP, scale, start, end}; several are summed as diffusers' multi-ControlNet.",
         examples=[[{"name": "edges", "image": "<base64 PNG>", "scale": 0.8}]])] = None
     guess_mode: Annotated[bool | None, _doc("SD/SDXL ControlNet guess mode (with controls).")] = None
+    ip_image: Annotated[bytes | None, _doc("IP-Adapter: an image as a prompt, base64 PNG/JPEG/WebP (the engine's "
+                                           "--ip-adapter); in the edits form, a file.")] = None
+    ip_scale: Annotated[float | None, _doc("The IP-Adapter's scale (with ip_image; default 1).")] = None
     original_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
     crops_coords_top_left: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [top, left].")] = None
     target_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
@@ -123,7 +126,7 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fiel
 
 #: the extras that are not plain values: JSON text in a form, or the `openai` package's `x[...]` fields
 STRUCTURED_FIELDS = ("loras", "cache", "controls", *MICRO_CONDITIONING)
-EXTRA_FIELDS = ("loras", "true_cfg", "cache", "controls", "guess_mode", *MICRO_CONDITIONING)
+EXTRA_FIELDS = ("loras", "true_cfg", "cache", "controls", "guess_mode", "ip_image", "ip_scale", *MICRO_CONDITIONING)
 
 
 class Generation(msgspec.Struct, frozen=True):
