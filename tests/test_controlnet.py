@@ -24,7 +24,7 @@ from engine.models.controlnet import attach_controlnets, load_controlnet
 from engine.models.loading import load_model
 from engine.protocol import Control, GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, rel_l2
-from engine.testing.tiny_pipelines import build_controlnet, build_sd, build_sdxl
+from engine.testing.tiny_pipelines import build_controlnet, build_flux, build_sd, build_sdxl
 
 from core_driver import run_to_end
 
@@ -39,9 +39,12 @@ PROMPTS = ["a red circle", "a big blue cat", "the small green dog", "a photo of 
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("controlnet")
     sd, sdxl = build_sd(root / "sd", seed=31), build_sdxl(root / "sdxl", seed=32)
-    return {"sd": sd, "sdxl": sdxl,
+    flux = build_flux(root / "flux", guidance_embeds=True, seed=33)
+    return {"sd": sd, "sdxl": sdxl, "flux": flux,
             "sd-nets": {"a": build_controlnet(root / "sd-a", sd, seed=1), "b": build_controlnet(root / "sd-b", sd, seed=2)},
-            "sdxl-nets": {"a": build_controlnet(root / "sdxl-a", sdxl, seed=3)}}
+            "sdxl-nets": {"a": build_controlnet(root / "sdxl-a", sdxl, seed=3)},
+            "flux-nets": {"a": build_controlnet(root / "flux-a", flux, seed=4),
+                          "b": build_controlnet(root / "flux-b", flux, seed=5)}}
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,9 +85,13 @@ def _pil(data: bytes) -> Image.Image:
 
 @functools.lru_cache(maxsize=8)
 def _oracle_net(path):
-    from diffusers import ControlNetModel
+    import json
+    import pathlib
 
-    return ControlNetModel.from_pretrained(path, low_cpu_mem_usage=False).eval()
+    import diffusers
+
+    kind = json.loads((pathlib.Path(path) / "config.json").read_text())["_class_name"]
+    return getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False).eval()
 
 
 @torch.no_grad()
@@ -96,6 +103,8 @@ def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams, base=None)
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
     base = base or load_pipeline(str(folder))
+    if type(base).__name__.startswith("Flux"):
+        return flux_controlnet_pipeline_output(base, nets, p)
     xl = type(base).__name__.startswith("StableDiffusionXL")
     image_kind = "" if p.image is None else "Inpaint" if p.mask is not None else "Img2Img"
     kind = ("StableDiffusionXL" if xl else "StableDiffusion") + "ControlNet" + image_kind + "Pipeline"
@@ -127,6 +136,32 @@ def controlnet_pipeline_output(folder, nets: dict, p: GenerateParams, base=None)
                height=p.height, width=p.width, generator=torch.Generator("cpu").manual_seed(p.seed),
                output_type="latent", **kwargs)
     return out.images[0].float().numpy()
+
+
+def flux_controlnet_pipeline_output(base, nets: dict, p: GenerateParams) -> np.ndarray:
+    """`FluxControlNetPipeline` (with `FluxMultiControlNetModel` for several), its packed
+    latents unpacked as its decode path unpacks them."""
+    from diffusers import FluxControlNetPipeline
+    from diffusers.models.controlnets.controlnet_flux import FluxMultiControlNetModel
+
+    controls = p.controls
+    models = [_oracle_net(str(nets[c.name])) for c in controls]
+    single = len(models) == 1
+    pipe = FluxControlNetPipeline.from_pipe(base, controlnet=models[0] if single else FluxMultiControlNetModel(models))
+    pipe.set_progress_bar_config(disable=True)
+
+    def each(values):
+        return values[0] if single else list(values)
+
+    out = pipe(p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg, num_inference_steps=p.steps,
+               guidance_scale=p.guidance, height=p.height, width=p.width,
+               control_image=each([_pil(c.image) for c in controls]),
+               controlnet_conditioning_scale=each([c.scale for c in controls]),
+               control_guidance_start=each([c.start for c in controls]),
+               control_guidance_end=each([c.end for c in controls]),
+               generator=torch.Generator("cpu").manual_seed(p.seed), output_type="latent").images
+    native = pipe.default_sample_size * pipe.vae_scale_factor
+    return pipe._unpack_latents(out, p.height or native, p.width or native, pipe.vae_scale_factor)[0].float().numpy()
 
 
 def plain_pipeline_output(folder, p: GenerateParams) -> np.ndarray:
@@ -161,6 +196,8 @@ ALONE = [
     ("sd", "single", "default"), ("sd", "single", "dpmpp_2m"), ("sd", "multi", "default"),
     ("sd", "window", "euler_ancestral"), ("sd", "guess", "default"), ("sd", "guess-one-row", "default"),
     ("sd", "resized", "default"), ("sdxl", "single", "default"), ("sdxl", "guess", "default"),
+    ("flux", "single", "default"), ("flux", "multi", "flow_euler"), ("flux", "window", "default"),
+    ("flux", "true-cfg", "default"),
 ]
 
 
@@ -183,7 +220,9 @@ def test_request_alone_equals_the_controlnet_pipeline(folders, name, case, sampl
         fields.update(height=16, width=24)
     else:
         controls = [a]
-    if name != "sd":
+    if case == "true-cfg":  # FLUX: one ControlNet pass with the prompt, its residuals for both calls
+        fields.update(true_cfg=2.5, negative_prompt="blurry")
+    if name == "sdxl":
         controls = [c for c in controls if c.name == "a"]
     p = request(rng, controls, **fields)
     core = EngineCore(model, CoreConfig(slots=2))
@@ -193,7 +232,9 @@ def test_request_alone_equals_the_controlnet_pipeline(folders, name, case, sampl
     got = d.finished["r"].latents.numpy()
     want = oracle(folders, name, p)
     err = rel_l2(got, want)
-    plain = oracle(folders, name, msgspec_replace(p, controls=(), guess_mode=False))
+    # the residuals' own effect (FLUX's control latents draw from the generator: scale 0 keeps the draws)
+    plain = oracle(folders, name, msgspec_replace(p, controls=tuple(msgspec_replace(c, scale=0.0) for c in p.controls),
+                                                  guess_mode=False))
     print(f"alone {name} {case} {sampler}: relative L2 {err:.2e} (the control moves it {rel_l2(plain, want):.2f})")
     assert got.shape == want.shape
     assert err <= ALONE_TOL
@@ -310,6 +351,46 @@ def test_plain_controlled_windowed_guessing_and_image_rows_share_batches(folders
         assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
 
 
+@pytest.mark.timeout(400)
+def test_flux_plain_controlled_windowed_and_true_cfg_rows_share_batches(folders):
+    model = served(folders, "flux")
+    rng = random.Random("flux-shared")
+    kinds = ["plain", "a", "a+b", "window", "true-cfg"]
+    cases = {}
+    for k in range(7):
+        kind = kinds[k % len(kinds)]
+        fields = dict(sampler=["default", "flow_euler"][k % 2], negative_prompt=None)
+        controls = []
+        if kind in ("a", "true-cfg"):
+            controls = [Control("a", control_image(rng), scale=rng.choice([0.7, 1.3]))]
+        elif kind == "a+b":
+            controls = [Control("a", control_image(rng), scale=0.8), Control("b", control_image(rng), scale=1.4)]
+        elif kind == "window":
+            controls = [Control("b", control_image(rng), scale=1.2, start=0.3, end=0.8)]
+        if kind == "true-cfg":
+            fields.update(true_cfg=2.0, negative_prompt="blurry")
+        cases[f"r{k}-{kind}"] = request(rng, controls, **fields)
+    victims = {"v0": request(rng, [Control("a", control_image(rng))], steps=20, negative_prompt=None)}
+    pending = list(cases.items())
+    pending.insert(1, ("v0", victims["v0"]))
+    core = EngineCore(model, CoreConfig(slots=4, max_queue=32))
+
+    def join_and_cancel(d):
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            if pending:
+                core.add_request(*pending.pop(0))
+        r = core.requests.get("v0")
+        if r is not None and r.step >= 3 and not r.stopping:
+            core.abort_requests(["v0"])
+
+    d = run_to_end(core, before_step=join_and_cancel, waiting=lambda: bool(pending), limit=2000)
+    assert set(d.canceled) == set(victims) and set(d.results) == set(cases), d.failed
+    for rid, p in cases.items():
+        err = rel_l2(d.results[rid], oracle(folders, "flux", p))
+        print(f"flux shared {rid} {p.sampler}: relative L2 {err:.2e}")
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
+
+
 @pytest.mark.timeout(120)
 def test_each_controlnet_runs_only_on_its_rows_in_their_window(folders):
     """Three requests in one call: plain, A (two rows), A+B windowed to the first half
@@ -420,6 +501,14 @@ def test_bad_controls_are_rejected_naming_the_field(folders):
     with pytest.raises(RequestRejected) as info:
         core.add_request("guess", GenerateParams(prompt="a red circle", guess_mode=True))
     assert info.value.field == "guess_mode"
+    from engine.protocol import StepCache
+
+    flux = EngineCore(served(folders, "flux"), CoreConfig(slots=2))
+    for fields, field in (({"guess_mode": True}, "guess_mode"), ({"cache": StepCache(kind="first_block")}, "controls"),
+                          ({"image": image, "height": 16, "width": 16}, "controls")):
+        with pytest.raises(RequestRejected) as info:  # FLUX has no guess mode; residuals and a step cache don't mix
+            flux.add_request("r", GenerateParams(prompt="a red circle", controls=(Control("a", image),), **fields))
+        assert info.value.field == field
     plain = EngineCore(load_model(folders["sd"]), CoreConfig(slots=2))  # serves no ControlNet
     with pytest.raises(RequestRejected) as info:
         plain.add_request("r", GenerateParams(prompt="a red circle", controls=(Control("a", image),)))
@@ -430,10 +519,12 @@ def test_bad_controls_are_rejected_naming_the_field(folders):
     assert "ok" in d.finished
 
 
-def test_a_controlnet_that_does_not_fit_the_unet_is_refused(folders):
+def test_a_controlnet_that_does_not_fit_the_denoiser_is_refused(folders):
     sd = load_model(folders["sd"])
-    with pytest.raises(ValueError, match="not the served UNet"):
+    with pytest.raises(ValueError, match="not the served unet"):
         load_controlnet(sd, folders["sdxl-nets"]["a"])
+    with pytest.raises(ValueError, match="does not serve"):
+        load_controlnet(sd, folders["flux-nets"]["a"])
     with pytest.raises(ValueError, match="not a ControlNet folder"):
         load_controlnet(sd, folders["sd"])
 

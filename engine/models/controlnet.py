@@ -24,6 +24,12 @@ What the pipeline decides per step, decided here per row at its own step:
   scale, or in guess mode `logspace(-1, 0, blocks + 1) · scale` per block);
 - guess mode: with classifier-free guidance only the prompt's row gets the ControlNet
   (the negative prompt's row gets zero residuals, the pipeline's `torch.cat([zeros, d])`).
+
+FLUX (`FluxControlNetPipeline`, a `FluxControlNetModel`): the control image is
+VAE-encoded (sampled from the request's own generator before its initial noise, as the
+pipeline draws) and packed; the ControlNet runs on the prompt's row only and its residuals
+(`controlnet_block_samples`, `controlnet_single_block_samples`) go to both rows of a
+true-CFG request, as the pipeline passes the same ones to its negative call.
 """
 from __future__ import annotations
 
@@ -40,33 +46,51 @@ from engine.models.loading import to_device
 MAX_CONTROLS = 8
 
 
+#: the ControlNet class each served pipeline takes, and the config keys that must match its denoiser's
+CONTROLNET_CLASSES = {
+    "ControlNetModel": ("unet", ("in_channels", "block_out_channels", "layers_per_block", "cross_attention_dim",
+                                 "addition_embed_type", "down_block_types")),
+    "FluxControlNetModel": ("transformer", ("in_channels", "joint_attention_dim", "pooled_projection_dim",
+                                            "guidance_embeds", "axes_dims_rope")),
+}
+
+
 def check_controlnet(controlnet, model) -> str | None:
-    """Why `controlnet` cannot run beside `model`'s UNet, or None: its residuals must have
-    the shapes the UNet's down and mid blocks add them to."""
-    unet = getattr(model, "pipe", None) and getattr(model.pipe, "unet", None)
-    if unet is None:
-        return f"{model.pipeline_class or 'this model'} has no ControlNet path here (SD 1.x/2.x and SDXL UNets)"
-    theirs, ours = controlnet.config, unet.config
-    for key in ("in_channels", "block_out_channels", "layers_per_block", "cross_attention_dim",
-                "addition_embed_type", "down_block_types"):
+    """Why `controlnet` cannot run beside `model`'s denoiser, or None: its residuals must
+    have the shapes the denoiser's blocks add them to."""
+    kind = type(controlnet).__name__
+    denoiser_name, keys = CONTROLNET_CLASSES.get(kind, (None, ()))
+    pipe = getattr(model, "pipe", None)
+    denoiser = getattr(pipe, denoiser_name, None) if denoiser_name else None
+    if denoiser is None or getattr(model, "controlnet_class", None) != kind:
+        return (f"a {kind} does not serve {model.pipeline_class or 'this model'} (SD 1.x/2.x and SDXL take a "
+                "ControlNetModel, FLUX a FluxControlNetModel)")
+    if kind == "FluxControlNetModel":
+        if controlnet.union or controlnet.input_hint_block is not None:
+            return "union and XLabs FLUX ControlNets are not served (an InstantX-style FluxControlNetModel is)"
+        inner = controlnet.config.num_attention_heads * controlnet.config.attention_head_dim
+        if inner != denoiser.config.num_attention_heads * denoiser.config.attention_head_dim:
+            return f"its width {inner} is not the served transformer's"
+    theirs, ours = controlnet.config, denoiser.config
+    for key in keys:
         if tuple(np.atleast_1d(theirs.get(key) or ())) != tuple(np.atleast_1d(ours.get(key) or ())):
-            return f"its {key} {theirs.get(key)!r} is not the served UNet's {ours.get(key)!r}"
+            return f"its {key} {theirs.get(key)!r} is not the served {denoiser_name}'s {ours.get(key)!r}"
     return None
 
 
 def load_controlnet(model, path) -> torch.nn.Module:
     """The `ControlNetModel` saved in `path`, in the model's dtype on its device; ValueError
     saying what does not fit the served model."""
-    from diffusers import ControlNetModel
-
     path = pathlib.Path(path)
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"{path}: not a ControlNet folder (no config.json)")
     kind = json.loads(config.read_text()).get("_class_name")
-    if kind != "ControlNetModel":
-        raise ValueError(f"{path}: a {kind}, not a ControlNetModel (SD 1.x/2.x and SDXL ControlNets are served)")
-    controlnet = ControlNetModel.from_pretrained(path, low_cpu_mem_usage=False, torch_dtype=model.dtype)
+    if kind not in CONTROLNET_CLASSES:
+        raise ValueError(f"{path}: a {kind}, not one of {', '.join(CONTROLNET_CLASSES)}")
+    import diffusers
+
+    controlnet = getattr(diffusers, kind).from_pretrained(path, low_cpu_mem_usage=False, torch_dtype=model.dtype)
     why = check_controlnet(controlnet, model)
     if why:
         raise ValueError(f"{path}: {why}")
@@ -78,16 +102,29 @@ def attach_controlnets(model, paths: dict[str, str | pathlib.Path]) -> dict:
     controlnets = dict(getattr(model, "controlnets", None) or {})
     for name, path in paths.items():
         controlnets[name] = load_controlnet(model, path)
+    shapes = {residual_layout(net) for net in controlnets.values()}
+    if len(shapes) > 1:  # several on one request are summed residual by residual
+        raise ValueError(f"the ControlNets give different residual layouts ({sorted(shapes)}): they cannot be summed")
     model.controlnets = controlnets
     return controlnets
 
 
-def control_factors(scale: float, guess_mode: bool, blocks: int) -> torch.Tensor:
-    """The float32 factors the ControlNet's forward scales its down residuals (one each)
-    and its mid residual (the last) by, computed as it computes them."""
+def residual_layout(controlnet) -> tuple[int, ...]:
+    """How many residuals of each kind the ControlNet gives: (down blocks + mid) for a
+    UNet ControlNet, (double blocks, single blocks) for FLUX's."""
+    if hasattr(controlnet, "controlnet_single_blocks"):
+        return len(controlnet.controlnet_blocks), len(controlnet.controlnet_single_blocks)
+    return (len(controlnet.controlnet_down_blocks) + 1,)
+
+
+def control_factors(scale: float, guess_mode: bool, controlnet) -> torch.Tensor:
+    """The float32 factors the ControlNet's forward scales each of its residuals by,
+    computed as it computes them: the scale, or in guess mode one per down residual and the
+    mid residual's last (`logspace(-1, 0, blocks + 1) · scale`)."""
+    count = sum(residual_layout(controlnet))
     if guess_mode:
-        return torch.logspace(-1, 0, blocks + 1) * scale
-    return torch.full((blocks + 1,), scale, dtype=torch.float32)
+        return torch.logspace(-1, 0, count) * scale
+    return torch.full((count,), scale, dtype=torch.float32)
 
 
 @dataclasses.dataclass
@@ -116,6 +153,7 @@ class ControlRun:
     images: list[torch.Tensor]
     factors: list[torch.Tensor]
     positions: list[int]
+    also: list[int] = dataclasses.field(default_factory=list)  # a second row each entry's residuals go to (-1: none)
 
 
 class ControlCall:
@@ -125,10 +163,6 @@ class ControlCall:
         self.runs, self.device = runs, device
         self._staged = None
 
-    @property
-    def entries(self) -> int:
-        return sum(len(run.rows) for run in self.runs)
-
     def index_select(self, dim: int, rows: torch.Tensor) -> "ControlCall | None":
         """The same controls for a subset of the call's rows (a call split in chunks)."""
         where = {row: k for k, row in enumerate(rows.tolist())}
@@ -136,8 +170,9 @@ class ControlCall:
         for run in self.runs:
             kept = [j for j, row in enumerate(run.rows) if row in where]
             if kept:
+                also = [where.get(run.also[j], -1) if run.also else -1 for j in kept]
                 runs.append(ControlRun(run.net, [where[run.rows[j]] for j in kept], [run.images[j] for j in kept],
-                                       [run.factors[j] for j in kept], [run.positions[j] for j in kept]))
+                                       [run.factors[j] for j in kept], [run.positions[j] for j in kept], also))
         return ControlCall(runs, self.device) if runs else None
 
     def _stage(self):
@@ -147,12 +182,15 @@ class ControlCall:
             staged = []
             for run in self.runs:
                 rows = np.asarray(run.rows, dtype=np.int64)
+                also = np.asarray(run.also if run.also else [-1] * len(run.rows), dtype=np.int64)
                 positions = np.asarray(run.positions)
                 by_position = []
                 for p in sorted(set(run.positions)):
-                    picked = np.flatnonzero(positions == p)
-                    by_position.append((p, to_device(torch.from_numpy(picked), self.device),
-                                        to_device(torch.from_numpy(rows[picked]), self.device)))
+                    for targets, picked in ((rows, np.flatnonzero(positions == p)),
+                                            (also, np.flatnonzero((positions == p) & (also >= 0)))):
+                        if picked.size:
+                            by_position.append((p, to_device(torch.from_numpy(picked), self.device),
+                                                to_device(torch.from_numpy(targets[picked]), self.device)))
                 staged.append((to_device(torch.from_numpy(rows), self.device), torch.cat(run.images),
                                to_device(torch.stack(run.factors), self.device), by_position))
             self._staged = staged
@@ -162,19 +200,29 @@ class ControlCall:
                   added: dict | None = None) -> dict:
         """The UNet's `down_block_additional_residuals` and `mid_block_additional_residual`
         for every row of the call (zeros for rows without a control at this step)."""
-        outputs = []
-        for run, (rows, images, factors, by_position) in zip(self.runs, self._stage()):
+        def run(net, rows, images):
             kwargs = {}
             if added is not None:
                 kwargs["added_cond_kwargs"] = {k: v.index_select(0, rows) for k, v in added.items()}
-            down, mid = run.net(sample.index_select(0, rows), timestep.index_select(0, rows),
-                                encoder_hidden_states=hidden.index_select(0, rows), controlnet_cond=images,
-                                conditioning_scale=1.0, return_dict=False, **kwargs)
+            down, mid = net(sample.index_select(0, rows), timestep.index_select(0, rows),
+                            encoder_hidden_states=hidden.index_select(0, rows), controlnet_cond=images,
+                            conditioning_scale=1.0, return_dict=False, **kwargs)
+            return [*down, mid]
+
+        total = self.summed(run, sample.shape[0])
+        return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
+
+    def summed(self, run, n: int) -> list[torch.Tensor]:
+        """Every residual of the call's ControlNets for all `n` rows: `run(net, rows, images)`
+        gives a ControlNet's residuals (at scale 1) for its entries; each entry's are scaled
+        by its factors and added into zeros in its request's order of controls."""
+        outputs = []
+        for control_run, (rows, images, factors, by_position) in zip(self.runs, self._stage()):
+            produced = run(control_run.net, rows, images)
             # the factor in float32 (the forward's own arithmetic), the product in the residual's dtype
             scaled = [(r.float() * factors[:, k].view(-1, *([1] * (r.dim() - 1)))).to(r.dtype)
-                      for k, r in enumerate((*down, mid))]
+                      for k, r in enumerate(produced)]
             outputs.append((scaled, by_position))
-        n = sample.shape[0]
         first = outputs[0][0]
         total = [torch.zeros((n, *r.shape[1:]), dtype=r.dtype, device=r.device) for r in first]
         for p in sorted({p for _, by_position in outputs for p, _, _ in by_position}):
@@ -183,9 +231,6 @@ class ControlCall:
                     if q == p:
                         for acc, r in zip(total, scaled):
                             acc.index_add_(0, rows, r.index_select(0, picked))
-        return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
+        return total
 
 
-def down_blocks(controlnet) -> int:
-    """How many down residuals the ControlNet gives (one per `controlnet_down_blocks`)."""
-    return len(controlnet.controlnet_down_blocks)

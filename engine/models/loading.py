@@ -546,6 +546,11 @@ class StableDiffusionModel(_PipelineModel):
 
     #: name → ControlNetModel served beside the UNet (`engine.models.controlnet.attach_controlnets`)
     controlnets: dict = {}
+    controlnet_class = "ControlNetModel"
+    #: the ControlNets run on the prompt's row only, their residuals given to both rows (FLUX)
+    controls_on_prompt_row = False
+    takes_guess_mode = True
+    takes_controls_with_image = True  # the ControlNet img2img and inpainting pipelines
 
     @functools.cached_property
     def control_image_processor(self):
@@ -554,6 +559,15 @@ class StableDiffusionModel(_PipelineModel):
 
         return VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor, do_convert_rgb=True,
                                  do_normalize=False)
+
+    def control_image_size(self, image) -> tuple[int | None, int | None]:
+        """The output size a control image implies where none is given: its own, rounded."""
+        return self.control_image_processor.get_default_height_width(image, None, None)
+
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet) -> torch.Tensor:
+        """The control image as the pipeline's `prepare_image` gives it to the ControlNet."""
+        pixels = self.control_image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        return pixels.to(self.device, controlnet.dtype)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)

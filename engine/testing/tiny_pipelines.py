@@ -516,6 +516,8 @@ def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3) -> pathl
     from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel
 
     folder, base = pathlib.Path(folder), pathlib.Path(base)
+    if json.loads((base / "model_index.json").read_text())["_class_name"] == "FluxPipeline":
+        return _build_flux_controlnet(folder, base, seed=seed, gain=gain)
     unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
     vae = AutoencoderKL.from_pretrained(base / "vae", low_cpu_mem_usage=False)
     halvings = len(vae.config.block_out_channels) - 1
@@ -577,4 +579,24 @@ def build_ip_adapter(folder, base, *, seed: int = 0, projection_dim: int = 24, i
         state[f"ip_adapter.{key_id}.to_v_ip.weight"] = random(hidden, cross)
         key_id += 2
     save_file(state, str(folder / "ip_adapter.safetensors"))
+    return folder
+
+
+def _build_flux_controlnet(folder: pathlib.Path, base: pathlib.Path, *, seed: int, gain: float) -> pathlib.Path:
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel.from_pretrained(base / "transformer", low_cpu_mem_usage=False)
+    config = transformer.config
+    torch.manual_seed(seed)
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads).eval()
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder]
+    with torch.no_grad():
+        for linear in zeroed:
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * gain
+                                / linear.weight.shape[1] ** 0.5)
+            linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator) * gain * 0.1)
+    controlnet.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -15,7 +15,8 @@ from engine.core.input_kinds.step_cache import StepCacheKind
 
 def input_kinds_for(model, geometry, config, adapters=None) -> tuple[InputKind, ...]:
     """The kinds in preparation order (an image's draws before anything else's)."""
-    return (ImageKind(model, geometry, config.max_input_bytes), ControlsKind(model, geometry, config.max_input_bytes),
+    return (ImageKind(model, geometry, config.max_input_bytes),
+            ControlsKind(model, geometry, config.max_input_bytes, config.cache),
             IPAdapterKind(model, geometry, config.max_input_bytes), AdapterKind(adapters),
             StepCacheKind(model, config.cache))
 

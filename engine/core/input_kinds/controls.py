@@ -47,8 +47,9 @@ class ControlsKind(InputKind):
     name = FIELD
     fields = ("controls", "guess_mode")
 
-    def __init__(self, model, geometry, max_input_bytes: int):
+    def __init__(self, model, geometry, max_input_bytes: int, default_cache=None):
         self.model, self.geometry, self.max_input_bytes = model, geometry, max_input_bytes
+        self.default_cache = default_cache  # the server's step cache (`--cache`), which controls turn away
 
     @property
     def controlnets(self) -> dict:
@@ -69,6 +70,15 @@ class ControlsKind(InputKind):
             raise RequestRejected(f"at most {MAX_CONTROLS} controls", FIELD)
         if not isinstance(p.guess_mode, bool):
             raise RequestRejected("must be true or false", "guess_mode")
+        if p.guess_mode and not self.model.takes_guess_mode:
+            raise RequestRejected(f"{self.model.pipeline_class} ControlNets have no guess mode (SD/SDXL)", "guess_mode")
+        if p.image is not None and not self.model.takes_controls_with_image:
+            raise RequestRejected(f"{self.model.pipeline_class} ControlNets with an image are not served "
+                                  "(text to image only)", FIELD)
+        cache = p.cache if p.cache is not None else self.default_cache
+        if cache is not None and cache.kind != "off":
+            # a step cache gathers rows inside the denoiser, where the residuals of every row are added
+            raise RequestRejected("cannot be combined with a step cache (send cache: {kind: off})", FIELD)
         images, names, scales, windows, size = [], [], [], [], 0
         for k, control in enumerate(controls):
             if control.name not in served:
@@ -102,9 +112,9 @@ class ControlsKind(InputKind):
         return image_header_size(controls[0].image)
 
     def output_size(self, value: ControlInputs) -> tuple[int | None, int | None]:
-        """The first control image's size, rounded as the control image processor rounds it."""
-        height, width = self.model.control_image_processor.get_default_height_width(value.images[0], None, None)
-        return height, width
+        """The first control image's size, rounded as the control image processor rounds it
+        (SD, SDXL; FLUX's pipeline resizes it to its default size)."""
+        return self.model.control_image_size(value.images[0])
 
     def nbytes(self, value: ControlInputs, latent_shape: tuple[int, ...]) -> int:
         """The encoded images until prepared, and each prepared control image (3 × H × W
@@ -131,14 +141,13 @@ class ControlsKind(InputKind):
         return value.input_bytes
 
     def prepare(self, requests: list) -> dict:
-        from engine.models.controlnet import ControlEntry, control_factors, down_blocks
+        from engine.models.controlnet import ControlEntry, control_factors
 
         failed = {}
         for request in requests:
             value = request.inputs.get(self.name)
             if value is None:
                 continue
-            processor = self.model.control_image_processor
             try:
                 _, h, w = request.latent_shape
                 height, width = h * self.geometry.vae_scale, w * self.geometry.vae_scale
@@ -147,11 +156,13 @@ class ControlsKind(InputKind):
                 entries = []
                 for image, name, scale, (start, end) in zip(value.images, value.names, value.scales, value.windows):
                     net = self.controlnets[name]
-                    pixels = processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+                    # FLUX samples its control latents from the request's generator, before its initial noise
+                    prepared = self.model.prepare_control_image(image, height, width, request.trajectory.generator,
+                                                                net)
                     keep = ~((i / steps < start) | ((i + 1) / steps > end))
-                    entries.append(ControlEntry(name, pixels.to(self.model.device, net.dtype), keep,
-                                                control_factors(scale, value.guess_mode, down_blocks(net))))
-                request.slot_inputs[self.name] = ControlSlot(entries, value.guess_mode,
+                    entries.append(ControlEntry(name, prepared, keep, control_factors(scale, value.guess_mode, net)))
+                shared = self.model.controls_on_prompt_row
+                request.slot_inputs[self.name] = ControlSlot(entries, value.guess_mode or shared, shared,
                                                              self._prepared_bytes(value, request.latent_shape))
             except Exception as exc:
                 failed[request] = exc
@@ -163,7 +174,8 @@ class ControlSlot:
     """What a slot holds of its request's controls (its parked form: the same, on the host)."""
 
     entries: list
-    guess_mode: bool
+    prompt_row_only: bool  # the ControlNets run on the prompt's row only (guess mode; FLUX)
+    to_both_rows: bool  # ... and their residuals go to the negative prompt's row too (FLUX's true CFG)
     nbytes: int
 
     def slot_state(self, storage) -> "ControlSlots":
@@ -179,7 +191,6 @@ class ControlSlots:
     def __init__(self, device: torch.device):
         self.device = device
         self.slots: dict[int, ControlSlot] = {}
-        self.nets = None
 
     @property
     def nbytes(self) -> int:
@@ -213,11 +224,15 @@ class ControlSlots:
         from engine.models.controlnet import ControlCall, ControlRun
 
         runs: dict[str, ControlRun] = {}
-        for row in np.flatnonzero(real).tolist():
-            value = self.slots.get(int(row_slot[row]))
-            if value is None or (value.guess_mode and row_branch[row]):
+        real_rows = np.flatnonzero(real)
+        negative_row = {int(row_slot[r]): int(r) for r in real_rows[row_branch[real_rows] == 1]}
+        for row in real_rows.tolist():
+            slot = int(row_slot[row])
+            value = self.slots.get(slot)
+            if value is None or (value.prompt_row_only and row_branch[row]):
                 continue
-            step = int(slot_step[row_slot[row]])
+            also = negative_row.get(slot, -1) if value.to_both_rows else -1
+            step = int(slot_step[slot])
             for position, entry in enumerate(value.entries):
                 if step >= len(entry.keep) or not entry.keep[step]:
                     continue
@@ -228,4 +243,5 @@ class ControlSlots:
                 run.images.append(entry.image)
                 run.factors.append(entry.factors)
                 run.positions.append(position)
+                run.also.append(also)
         return ControlCall(list(runs.values()), self.device) if runs else None
