@@ -91,13 +91,16 @@ CONCERNS = {
     "tests/test_scheduler.py": ("core",),
     "tests/test_solvers.py": ("core",),
     # models: model folders and adapters against diffusers' own pipelines
+    "tests/test_controlnet.py": ("models", "processes", "http"),
     "tests/test_image_inputs.py": ("models",),
+    "tests/test_ip_adapter.py": ("models",),
     "tests/test_lcm_guidance_embedding.py": ("models",),
     "tests/test_lora.py": ("models",),
     "tests/test_lora_engine.py": ("models",),
     "tests/test_model_contract.py": ("models",),
     "tests/test_pipelines.py": ("models",),
     "tests/test_sdxl_flux.py": ("models",),
+    "tests/test_shapes_controlnet.py": ("models",),
     "tests/test_shapes_model.py": ("models",),
     "tests/test_tiny_pipelines.py": ("models",),
     # kernels: Triton kernels (interpreter), engine._C, the GPU path's helpers on CPU
