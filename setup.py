@@ -13,7 +13,8 @@ setup(
     description="Serving engine for diffusion image generation: per-request trajectories in a shared batch of slots",
     python_requires=">=3.11",
     packages=find_packages(include=["engine", "engine.*", "frontend", "frontend.*"]),
-    package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*", "shapes/loras/*/*.safetensors"],
+    package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*", "shapes/loras/*/*.safetensors",
+                                    "shapes/controlnet/*"],
                   "engine.instrument": ["page.html"]},
     ext_modules=[
         Extension(

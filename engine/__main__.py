@@ -95,6 +95,33 @@ class AdapterOptions:
 
 
 @dataclasses.dataclass
+class ControlNetOptions:
+    """The ControlNets (engine.models.controlnet) and the IP-Adapter (engine.models.ip_adapter)
+    the engine serves beside the model."""
+
+    controlnets: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--controlnet", metavar="NAME=PATH",
+        help="serve the diffusers ControlNetModel folder PATH as ControlNet NAME (repeatable); requests name it in "
+             "`controls`"))
+    ip_adapter: str | None = dataclasses.field(default=None, metadata=cli(
+        "--ip-adapter", metavar="PATH",
+        help="serve the IP-Adapter in PATH (its weights file and image_encoder/); requests give an ip_image"))
+
+
+def parse_controlnets(specs: list[str]) -> dict[str, str]:
+    """NAME=PATH flags → {NAME: PATH}; ValueError saying which one is wrong."""
+    found = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--controlnet {spec!r}: NAME=PATH")
+        if name in found:
+            raise ValueError(f"--controlnet {name}: given twice")
+        found[name] = path
+    return found
+
+
+@dataclasses.dataclass
 class ServeOptions:
     """`serve`'s own flags, beside the engine's and the engine process's."""
 
@@ -153,6 +180,7 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     add_config_arguments(ap.add_argument_group("core"), CoreConfig, specs=CORE_FLAGS, defaults={"slots": None})
     add_config_arguments(ap.add_argument_group("decode"), DecodeConfig)
     add_config_arguments(ap.add_argument_group("adapters"), AdapterOptions)
+    add_config_arguments(ap.add_argument_group("controlnets"), ControlNetOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +207,8 @@ def serve(args: argparse.Namespace) -> int:
     adapter_options = config_from_args(AdapterOptions, args)
     try:  # fail before the slow imports and model load
         address = transport.normalize_address(options.address or transport.default_address())
+        control_options = config_from_args(ControlNetOptions, args)
+        controlnets = parse_controlnets(control_options.controlnets)
         transport.check_bind_address(address, args.allow_remote_bind)
         if adapter_options.lora_dir and not pathlib.Path(adapter_options.lora_dir).is_dir():
             raise ValueError(f"--lora-dir {adapter_options.lora_dir}: no such folder")
@@ -212,6 +242,24 @@ def serve(args: argparse.Namespace) -> int:
     except (ModelNotFound, ModelLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if controlnets:
+        from engine.models.controlnet import attach_controlnets
+
+        try:  # checked against the served UNet: a ControlNet that does not fit stops the start
+            attach_controlnets(model, controlnets)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        log.info("ControlNets: %s", ", ".join(controlnets))
+    if control_options.ip_adapter:
+        from engine.models.ip_adapter import attach_ip_adapter
+
+        try:
+            attach_ip_adapter(model, control_options.ip_adapter)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        log.info("IP-Adapter: %s", control_options.ip_adapter)
     slots = args.slots
     if slots is None:  # the config's default, or on a CPU when asked the knee of the denoiser's own curve
         slots = CoreConfig.slots

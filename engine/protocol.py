@@ -104,6 +104,19 @@ def parse_step_cache(text: str) -> StepCache:
         raise ValueError(f"cache threshold {threshold!r} is not a number") from None
 
 
+class Control(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One ControlNet applied to a request: the pipelines' `controlnet_conditioning_scale`,
+    `control_guidance_start` and `control_guidance_end` for it. Several in one request are
+    diffusers' multi-ControlNet (their residuals summed in the given order)."""
+
+    name: str  # a ControlNet the engine serves (`--controlnet NAME=PATH`; GET /v1/models lists them)
+    image: Annotated[bytes, msgspec.Meta(description=(
+        "ControlNet: the control image (edges, depth, pose...), PNG, JPEG or WebP; resized to the output size"))]
+    scale: float = 1.0  # its residuals' scale (the pipeline's controlnet_conditioning_scale)
+    start: float = 0.0  # the share of the steps where it starts to apply (control_guidance_start)
+    end: float = 1.0  # ... and where it stops (control_guidance_end)
+
+
 class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation request, as the user writes it. Validated by the engine against
     the loaded model (prompts, sizes, samplers, step limit).
@@ -142,6 +155,13 @@ class GenerateParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     deadline_s: float | None = None
     # skipping work between steps (None: the server's `--cache` default)
     cache: StepCache | None = None
+    # ControlNets (each control image travels as its own frame, `controls.N.image`)
+    controls: tuple[Control, ...] = ()
+    guess_mode: bool = False  # SD/SDXL ControlNet's guess mode: the ControlNets see only the prompt's row
+    # IP-Adapter (`--ip-adapter`): an image as a prompt, at a scale
+    ip_image: Annotated[bytes, msgspec.Meta(description=(
+        "IP-Adapter: an image as a prompt, PNG, JPEG or WebP (the engine's --ip-adapter)"))] | None = None
+    ip_scale: float = 1.0  # its scale (the pipeline's set_ip_adapter_scale)
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -236,6 +256,7 @@ class Welcome(Message, tag="welcome"):
     pipeline: str = ""  # the served folder's pipeline class
     max_message_bytes: int = MAX_MESSAGE_BYTES  # larger client messages are Rejected naming this limit
     max_input_bytes: int = MAX_INPUT_BYTES  # each input frame at most this many bytes (Submit.inputs)
+    controlnets: list[str] = []  # the ControlNets served beside the model (`--controlnet`), by name
 
 
 class Accepted(Message, tag="accepted"):
@@ -443,15 +464,17 @@ def _frame_field_types(struct_type) -> dict[str, tuple[bool, object]]:
 
 #: The fields of `GenerateParams` whose bytes travel as frames (top level), in declaration order.
 FRAME_FIELDS = tuple(_frame_field_types(GenerateParams))
+#: Those that are bytes themselves (one file each in an upload form; `controls` holds its images nested).
+FILE_FIELDS = tuple(name for name, (_, nested) in _frame_field_types(GenerateParams).items() if nested is None)
 
 
 def frame_field_descriptions() -> dict[str, str]:
-    """field → its declared description, for every top-level frame field (upload forms)."""
+    """field → its declared description, for every top-level bytes field (upload forms' files)."""
     import msgspec.inspect as mi
 
     described = {}
     for field in mi.type_info(GenerateParams).fields:
-        if field.name in FRAME_FIELDS:
+        if field.name in FILE_FIELDS:
             kinds = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
             meta = next((k for k in kinds if isinstance(k, mi.Metadata)), None)
             described[field.name] = ((meta.extra_json_schema or {}).get("description", "") if meta else "")

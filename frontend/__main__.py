@@ -4,6 +4,7 @@
         --guidance 3 --seed 7 -o out.png [--address ADDR]
     python -m frontend generate --prompt "a blue circle" --image in.png [--mask m.png] --strength 0.6 \\
         [--lora NAME=SCALE ...] [--true-cfg X] -o out.png
+    python -m frontend generate --prompt "a red circle" --control edges=edges.png:0.8 [--guess-mode] -o out.png
 
 Shows a progress bar; Ctrl-C cancels the request on the engine.
 """
@@ -18,7 +19,7 @@ import signal
 import sys
 
 from engine.flags import add_config_arguments, cli, config_from_args, flag
-from engine.protocol import OUTPUT_KINDS, SAMPLERS, GenerateParams, frame_field_descriptions, parse_step_cache
+from engine.protocol import OUTPUT_KINDS, SAMPLERS, Control, GenerateParams, frame_field_descriptions, parse_step_cache
 
 # GenerateParams is the protocol's, which knows nothing of command lines: its flags are named here
 PARAM_FLAGS = {
@@ -37,6 +38,8 @@ PARAM_FLAGS = {
     "strength": flag("--strength", help="with --image: how far from it to start, (0, 1] (default: the pipeline's)"),
     "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
                   help="a step cache for this request: first_block, mag, taylorseer, or off (default: the server's)"),
+    "guess_mode": flag("--guess-mode", help="with --control: SD/SDXL ControlNet guess mode"),
+    "ip_scale": flag("--ip-scale", help="with --ip-image: the IP-Adapter's scale"),
 }
 # the empty negative prompt unless told otherwise, on every pipeline (SDXL zeroes an absent one instead)
 PARAM_DEFAULTS = {"negative_prompt": "", "seed": None}
@@ -50,6 +53,10 @@ class GenerateOptions:
     lora: list[str] = dataclasses.field(default_factory=list, metadata=cli(
         "--lora", metavar="NAME=SCALE",
         help="a LoRA adapter of the engine's --lora-dir at a scale (repeat for several)"))
+    control: list[str] = dataclasses.field(default_factory=list, metadata=cli(
+        "--control", metavar="NAME=PATH[:SCALE]",
+        help="a ControlNet the engine serves (--controlnet) with the control image in PATH, at a scale (default 1; "
+             "repeat for several)"))
 
 
 @dataclasses.dataclass
@@ -164,7 +171,26 @@ def _inputs(options: GenerateOptions, args: argparse.Namespace) -> dict:
             raise ValueError(f"--lora {item!r}: the scale is not a number") from None
     if loras:
         inputs["loras"] = loras
+    controls = [parse_control(item) for item in options.control]
+    if controls:
+        inputs["controls"] = tuple(controls)
     return inputs
+
+
+def parse_control(item: str) -> Control:
+    """`NAME=PATH[:SCALE]` → a `Control` with the image read from PATH; ValueError saying
+    what is wrong. A last `:` part that is not a number belongs to the path."""
+    name, sep, rest = item.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"--control {item!r}: expected NAME=PATH[:SCALE]")
+    path, scale = rest, 1.0
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            pass
+    return Control(name=name, image=pathlib.Path(path).read_bytes(), scale=scale)
 
 
 def stats(args: argparse.Namespace) -> int:

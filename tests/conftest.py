@@ -91,8 +91,10 @@ CONCERNS = {
     "tests/test_scheduler.py": ("core",),
     "tests/test_solvers.py": ("core",),
     # models: model folders and adapters against diffusers' own pipelines
+    "tests/test_controlnet.py": ("models", "processes", "http"),
     "tests/test_image_inputs.py": ("models",),
     "tests/test_image_limits.py": ("models",),
+    "tests/test_ip_adapter.py": ("models",),
     "tests/test_lcm_guidance_embedding.py": ("models",),
     "tests/test_lora.py": ("models",),
     "tests/test_lora_engine.py": ("models",),
@@ -100,6 +102,7 @@ CONCERNS = {
     "tests/test_pipelines.py": ("models",),
     "tests/test_sdxl_flux.py": ("models",),
     "tests/test_qwen_image.py": ("models",),
+    "tests/test_shapes_controlnet.py": ("models",),
     "tests/test_shapes_model.py": ("models",),
     "tests/test_step_cache.py": ("models",),
     "tests/test_tiny_pipelines.py": ("models",),

@@ -102,3 +102,21 @@ def test_step_cache_quick(tmp_path):
     assert rows["off"][1] == "1.00" and float(rows["off"][3]) == 0.0
     assert float(rows["mag 0.06"][3]) > 0 and float(rows["mag 0.06"][2]) < float(rows["off"][2]), lines
     assert all(float(cells[0]) > 0 for cells in rows.values())
+
+
+@pytest.mark.timeout(300)
+def test_controlnet_quick(tmp_path):
+    """The three systems (per-row ControlNets, ControlNet-keyed groups, the ControlNet on every
+    row) each print a row; they give the same latents; the call-cost line is there."""
+    import json
+
+    lines = run_script("controlnet.py", tmp_path, "--json", str(tmp_path / "controlnet.json"))
+    rows = [line.split() for line in lines if line.split()[1:2] in (["mixed"], ["keyed"], ["all-rows"])]
+    assert sorted(r[1] for r in rows) == ["all-rows", "keyed", "mixed"], lines
+    for row in rows:
+        assert int(row[2]) > 0 and all(float(v) > 0 for v in row[3:6]), row
+    report = json.loads((tmp_path / "controlnet.json").read_text())
+    assert report["worst_rel_l2"] < 1e-4, report["worst_rel_l2"]
+    cost = report["call_ms"]
+    assert cost["plain"] > 0 and cost["gathered"] > 0 and cost["every row"] > 0
+    assert any(line.startswith("one call of") for line in lines), lines

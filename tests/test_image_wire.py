@@ -189,6 +189,8 @@ def test_the_new_fields_are_last_and_optional_on_the_wire():
     assert client_decoder().decode(old_submit).inputs == ()
     old_welcome = msgspec.msgpack.encode(["welcome", 1, 2, 0.5, 3.0, 1 << 20, "m", [], 16, "P", 65536])
     assert engine_decoder().decode(old_welcome).max_input_bytes == MAX_INPUT_BYTES
+    assert engine_decoder().decode(old_welcome).controlnets == []
     assert engine_decoder().decode(msgspec.msgpack.encode(["stats_reply", 1, {}])).adapters == []
-    assert Submit.__struct_fields__[-1] == "inputs" and Welcome.__struct_fields__[-1] == "max_input_bytes"
+    assert Submit.__struct_fields__[-1] == "inputs" and Welcome.__struct_fields__[-2:] == ("max_input_bytes",
+                                                                                         "controlnets")
     assert StatsReply.__struct_fields__[-1] == "adapters"

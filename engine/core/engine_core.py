@@ -220,7 +220,8 @@ class EngineCore:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model.name, native_size=self.geometry.native_size,
-                         prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class)
+                         prompts=tuple(self.model.prompts), pipeline=self.model.pipeline_class,
+                         controlnets=tuple(sorted(getattr(self.model, "controlnets", None) or {})))
 
     def adapter_names(self) -> list[str]:
         return [] if self.adapters is None else list(self.adapters.names())

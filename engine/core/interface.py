@@ -20,6 +20,7 @@ class ModelInfo:
     native_size: int  # default height and width in pixels
     prompts: tuple[str, ...] = ()  # the prompts a class-conditional model knows; () for free text
     pipeline: str = ""  # e.g. "StableDiffusionPipeline"
+    controlnets: tuple[str, ...] = ()  # the ControlNets served beside it (`--controlnet`), by name
 
 
 @runtime_checkable

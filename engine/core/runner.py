@@ -160,6 +160,12 @@ class Runner:
             **prompt_rows(row_conditioning, self.text_length_multiple),
             **{name: table.index_select(0, dev["row_input"]) for name, table in group.request_inputs.items()
                if name not in skipped})
+        controls = group.kind_states.get("controls")
+        if controls is not None:  # the rows' ControlNets at their own steps (padding and idle rows: none)
+            real = np.zeros(len(row_slot), dtype=bool)
+            real[cond_row] = True
+            real[uncond_row[uncond_row >= 0]] = True
+            inputs.controls = controls.call(self.model.controlnets, row_slot, branch, step_index, real)
         return Batch(
             slots=act, slot_rows=np.stack([cond_row, uncond_row], axis=1), index=dev["index"], index_host=index, coefs=dev["coefs"],
             generic=np.stack([act[generic], cond_row[generic], uncond_row[generic]], axis=1),

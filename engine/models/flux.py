@@ -138,12 +138,54 @@ class FluxModel(_PipelineModel):
             cache[key] = (text_ids, image_ids)
         return cache[key]
 
+    # ---- ControlNets (engine.models.controlnet): FluxControlNetPipeline's ----
+
+    controlnets: dict = {}
+    controlnet_class = "FluxControlNetModel"
+    controls_on_prompt_row = True  # one ControlNet pass with the prompt, its residuals for both true-CFG calls
+    takes_guess_mode = False
+    takes_controls_with_image = False
+
+    def control_image_size(self, image) -> tuple[int | None, int | None]:
+        return None, None  # the pipeline's default size, the control image resized to it
+
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet) -> torch.Tensor:
+        """The pipeline's control latents: the image preprocessed, VAE-encoded, sampled from
+        the request's generator, shifted, scaled and packed."""
+        from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
+
+        pixels = self.image_pipeline("image").image_processor.preprocess(image, height=height, width=width)
+        moments = self.encode_image_moments([pixels.to(self.device, self.vae.dtype)])[0]
+        latents = retrieve_latents(moments, generator=generator)
+        config = self.vae.config
+        latents = (latents - config.shift_factor) * config.scaling_factor
+        _, channels, h, w = latents.shape
+        return self.pipe._pack_latents(latents, 1, channels, h, w).to(controlnet.dtype)
+
+    def _control_residuals(self, inputs: ModelInputs, packed, timestep, guidance, text_ids, image_ids) -> dict:
+        def run(net, rows, images):
+            blocks, singles = net(
+                hidden_states=packed.index_select(0, rows), controlnet_cond=images, conditioning_scale=1.0,
+                timestep=timestep.index_select(0, rows),
+                guidance=guidance.index_select(0, rows) if net.config.guidance_embeds else None,
+                pooled_projections=inputs.pooled.index_select(0, rows),
+                encoder_hidden_states=inputs.hidden.index_select(0, rows), txt_ids=text_ids, img_ids=image_ids,
+                return_dict=False)
+            return [*(blocks or ()), *(singles or ())]
+
+        total = inputs.controls.summed(run, packed.shape[0])
+        split = len(next(iter(self.controlnets.values())).controlnet_blocks)
+        return {"controlnet_block_samples": total[:split] or None,
+                "controlnet_single_block_samples": total[split:] or None}
+
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         pipe = self.pipe
         rows, channels, h, w = inputs.sample.shape
         packed = pipe._pack_latents(inputs.sample.to(self.dtype).contiguous(), rows, channels, h, w)
         text_ids, image_ids = self._position_ids(int(inputs.hidden.shape[1]), h, w)
         guidance = inputs.guidance if self.guidance_embedded else None
+        residuals = {} if inputs.controls is None else self._control_residuals(
+            inputs, packed, inputs.timestep.to(self.dtype) / 1000, inputs.guidance, text_ids, image_ids)
         out = pipe.transformer(
             hidden_states=packed,
             timestep=inputs.timestep.to(self.dtype) / 1000,  # the pipeline's `timestep / 1000`
@@ -153,6 +195,7 @@ class FluxModel(_PipelineModel):
             txt_ids=text_ids,
             img_ids=image_ids,
             return_dict=False,
+            **residuals,
         )[0]
         # back to C×h×w, as the pipeline's own decode path unpacks (pixel sizes in, as there)
         scale = self.vae_scale

@@ -25,11 +25,16 @@ Which model takes which (a field a model does not take stays None):
 | guidance | | | | dev (embedded) | |
 | timestep_cond | LCM UNets | LCM UNets | | | |
 | lora_index, lora_scale | adapters | adapters | adapters | adapters | |
+| ip_embeds, ip_scale | IP-Adapter | IP-Adapter | | | |
+| controls | ControlNets | ControlNets | | | |
 
 Qwen-Image (`engine.models.qwen_image`) takes `hidden` (its Qwen2.5-VL encoder's last
 hidden state, each prompt at its own length) with `hidden_mask` where a call's prompts
 differ in length, and `guidance` if its transformer embeds it; Qwen-Image-Edit also
 `image_latents`, the edited image's latents, the same for both branches of a request.
+
+`controls` is not a tensor but the call's `engine.models.controlnet.ControlCall` (which
+rows run which ControlNet, at their own steps); a call that has one runs eagerly.
 """
 from __future__ import annotations
 
@@ -56,6 +61,9 @@ class ModelInputs:
     # rows × C × h' × w': Qwen-Image-Edit's input image latents, appended to each row's image
     # tokens (a request input: the image kind prepares it at admission)
     image_latents: torch.Tensor | None = None
+    ip_embeds: torch.Tensor | None = None  # rows × 1 × width: IP-Adapter image embeddings (zeros: none)
+    ip_scale: torch.Tensor | None = None  # rows × 1 float32: each row's IP-Adapter scale (0: none)
+    controls: object | None = None  # the call's ControlCall: its rows' ControlNets (None: no row has one)
 
     def named(self) -> dict[str, torch.Tensor]:
         """The fields that are present, by name, in declaration order (a graph's buffers)."""

@@ -735,10 +735,51 @@ class StableDiffusionModel(_PipelineModel):
         embeds, _ = self.pipe.encode_prompt(list(prompts), self.device, 1, False)
         return [Conditioning(e) for e in embeds]
 
+    #: name → ControlNetModel served beside the UNet (`engine.models.controlnet.attach_controlnets`)
+    controlnets: dict = {}
+    controlnet_class = "ControlNetModel"
+    #: the ControlNets run on the prompt's row only, their residuals given to both rows (FLUX)
+    controls_on_prompt_row = False
+    takes_guess_mode = True
+    takes_controls_with_image = True  # the ControlNet img2img and inpainting pipelines
+
+    @functools.cached_property
+    def control_image_processor(self):
+        """The ControlNet pipelines' control image processor (RGB, resized, not normalised)."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor, do_convert_rgb=True,
+                                 do_normalize=False)
+
+    def control_image_size(self, image) -> tuple[int | None, int | None]:
+        """The output size a control image implies where none is given: its own, rounded."""
+        return self.control_image_processor.get_default_height_width(image, None, None)
+
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet) -> torch.Tensor:
+        """The control image as the pipeline's `prepare_image` gives it to the ControlNet."""
+        pixels = self.control_image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        return pixels.to(self.device, controlnet.dtype)
+
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)
+        residuals = {} if inputs.controls is None else inputs.controls.residuals(
+            inputs.sample, inputs.timestep, inputs.hidden)
+        added = self.ip_adapter_inputs(inputs, None)
         return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
-                              timestep_cond=cond, return_dict=False)[0]
+                              timestep_cond=cond, added_cond_kwargs=added, return_dict=False, **residuals)[0]
+
+    #: the IP-Adapter folder served (`engine.models.ip_adapter.attach_ip_adapter`), or None
+    ip_adapter = None
+
+    def ip_adapter_inputs(self, inputs: ModelInputs, added: dict | None) -> dict | None:
+        """`added_cond_kwargs` with the rows' IP-Adapter image embeddings, their scales bound
+        to the attention processors (unchanged without an IP-Adapter)."""
+        if inputs.ip_embeds is None:
+            return added
+        from engine.models.ip_adapter import bind_ip_scale
+
+        bind_ip_scale(self.pipe.unet, inputs.ip_scale)
+        return {**(added or {}), "image_embeds": [inputs.ip_embeds.to(self.dtype)]}
 
 
 class StableDiffusion3Model(_PipelineModel):

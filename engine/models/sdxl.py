@@ -77,5 +77,8 @@ class StableDiffusionXLModel(StableDiffusionModel):
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cond = None if inputs.timestep_cond is None else inputs.timestep_cond.to(self.dtype)
         added = {"text_embeds": inputs.pooled, "time_ids": inputs.time_ids.to(self.dtype)}
+        residuals = {} if inputs.controls is None else inputs.controls.residuals(
+            inputs.sample, inputs.timestep, inputs.hidden, added)
         return self.pipe.unet(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.hidden,
-                              timestep_cond=cond, added_cond_kwargs=added, return_dict=False)[0]
+                              timestep_cond=cond, added_cond_kwargs=self.ip_adapter_inputs(inputs, added),
+                              return_dict=False, **residuals)[0]

@@ -147,7 +147,7 @@ class EngineCoreProc:
             peer_timeout_s=config.peer_timeout_s, output_budget_bytes=config.output_budget_bytes,
             model=model_label(info.name or config.model_name), prompts=list(info.prompts),
             native_size=info.native_size, pipeline=info.pipeline, max_message_bytes=config.max_message_bytes,
-            max_input_bytes=self.max_input_bytes)
+            max_input_bytes=self.max_input_bytes, controlnets=list(getattr(info, "controlnets", ())))
         self.waker = transport.Waker()
         self.io = IOThread(router, config, welcome, self.inputs, self.output_queue, self.waker, self.heartbeat)
         self.decode_stage = None

@@ -502,3 +502,101 @@ def build_flux(folder, *, guidance_embeds: bool = True, seed: int = 0, words=VOC
 __all__ = ["VOCAB", "SD_SCHEDULERS", "TEST_CONDITIONS", "SCHEDULER_CONFIGS", "SDXL_SCHEDULER", "FLUX_SCHEDULERS",
            "tiny_unet", "tiny_class_vae", "build_class_conditional", "build_sd", "build_sd3", "build_sdxl",
            "build_flux"]
+
+
+def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3) -> pathlib.Path:
+    """Write a tiny `ControlNetModel` folder for the SD or SDXL folder `base` and return its path.
+
+    Built as diffusers' own tests build theirs: `ControlNetModel.from_unet` on the base's
+    UNet (its down and mid blocks' weights), the conditioning embedding downsampling as
+    many times as the VAE (`vae_scale_factor`: one stride-2 block per halving), and the
+    zero-initialised convolutions (the residual projections, the embedding's last conv)
+    given random weights (normal × `gain`, seeded), so that the control changes the output.
+    """
+    from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel
+
+    folder, base = pathlib.Path(folder), pathlib.Path(base)
+    if json.loads((base / "model_index.json").read_text())["_class_name"] == "FluxPipeline":
+        return _build_flux_controlnet(folder, base, seed=seed, gain=gain)
+    unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
+    vae = AutoencoderKL.from_pretrained(base / "vae", low_cpu_mem_usage=False)
+    halvings = len(vae.config.block_out_channels) - 1
+    channels = tuple(16 * 2 ** k for k in range(halvings + 1))
+    torch.manual_seed(seed)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=channels).eval()
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+              controlnet.controlnet_cond_embedding.conv_out]
+    with torch.no_grad():
+        for conv in zeroed:
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) * gain / conv.weight[0].numel() ** 0.5)
+            conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * gain * 0.1)
+    controlnet.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_ip_adapter(folder, base, *, seed: int = 0, projection_dim: int = 24, image_size: int = 32,
+                     gain: float = 1.0) -> pathlib.Path:
+    """Write a tiny IP-Adapter folder for the SD or SDXL folder `base` and return its path:
+    `image_encoder/` (a random `CLIPVisionModelWithProjection`, `projection_dim`-wide image
+    embeddings) and `ip_adapter.safetensors` in the checkpoints' own layout, built as
+    diffusers' tests build theirs for `load_ip_adapter`: `image_proj.` (the plain IP-Adapter's
+    projection to 4 tokens: `proj`, `norm`) and `ip_adapter.{1, 3, 5, ...}.to_k_ip/to_v_ip`
+    for each cross-attention processor of the UNet, in its order. Random weights (normal,
+    seeded, × `gain` / √fan-in)."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    folder, base = pathlib.Path(folder), pathlib.Path(base)
+    folder.mkdir(parents=True, exist_ok=True)
+    unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=32, intermediate_size=37, projection_dim=projection_dim, num_hidden_layers=2,
+        num_attention_heads=4, image_size=image_size, patch_size=8, num_channels=3)).eval()
+    encoder.save_pretrained(folder / "image_encoder", safe_serialization=True)
+    generator = torch.Generator().manual_seed(seed)
+
+    def random(*shape):
+        return (torch.randn(shape, generator=generator) * gain / shape[-1] ** 0.5).contiguous()
+
+    cross = int(unet.config.cross_attention_dim)
+    state = {"image_proj.proj.weight": random(4 * cross, projection_dim), "image_proj.proj.bias": random(4 * cross),
+             "image_proj.norm.weight": 1 + random(cross), "image_proj.norm.bias": random(cross)}
+    blocks = list(unet.config.block_out_channels)
+    key_id = 1
+    for name in unet.attn_processors:
+        if name.endswith("attn1.processor"):
+            continue
+        if name.startswith("mid_block"):
+            hidden = blocks[-1]
+        elif name.startswith("up_blocks"):
+            hidden = blocks[::-1][int(name[len("up_blocks.")])]
+        else:
+            hidden = blocks[int(name[len("down_blocks.")])]
+        state[f"ip_adapter.{key_id}.to_k_ip.weight"] = random(hidden, cross)
+        state[f"ip_adapter.{key_id}.to_v_ip.weight"] = random(hidden, cross)
+        key_id += 2
+    save_file(state, str(folder / "ip_adapter.safetensors"))
+    return folder
+
+
+def _build_flux_controlnet(folder: pathlib.Path, base: pathlib.Path, *, seed: int, gain: float) -> pathlib.Path:
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel.from_pretrained(base / "transformer", low_cpu_mem_usage=False)
+    config = transformer.config
+    torch.manual_seed(seed)
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads).eval()
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder]
+    with torch.no_grad():
+        for linear in zeroed:
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * gain
+                                / linear.weight.shape[1] ** 0.5)
+            linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator) * gain * 0.1)
+    controlnet.save_pretrained(folder, safe_serialization=True)
+    return folder

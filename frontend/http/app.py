@@ -379,7 +379,8 @@ def create_app(link: EngineLink, limits: GatewayLimits | None = None, *, own_lin
                                       **error_responses(401, 429, 503)})
     async def models() -> Response:
         adapters = await adapter_names()
-        return Response(models_response(link.models[:1], link.created, adapters), media_type=JSON)
+        controlnets = link.welcome.controlnets if link.welcome is not None else []
+        return Response(models_response(link.models[:1], link.created, adapters, controlnets), media_type=JSON)
 
     @app.get("/health", responses={**ok_response("The engine answers and takes work", {JSON: {"schema": schema_ref(Health)}}),
                                    **error_responses(503)})

@@ -32,7 +32,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.protocol import (FRAME_FIELDS, MAX_PARTIAL_IMAGES, MICRO_CONDITIONING, SAMPLERS, GenerateParams, StepCache,
+from engine.protocol import (FILE_FIELDS, MAX_PARTIAL_IMAGES, Control, MICRO_CONDITIONING, SAMPLERS, GenerateParams, StepCache,
                              Timings, output_nbytes)
 from frontend.http.errors import APIError, bad_request
 from frontend.http.priorities import priority_value
@@ -95,6 +95,14 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
         "A step cache for this request (transformer models): kind first_block, mag, taylorseer or off, with the "
         "parameters of diffusers' config of that kind; absent: the server's default.",
         examples=[{"kind": "first_block", "threshold": 0.1}])] = None
+    controls: Annotated[tuple[Control, ...] | None, _doc(
+        "ControlNets (GET /v1/models lists them, type controlnet), each {name, image: the control image as base64 "
+        "PNG/JPEG/WebP, scale, start, end}; several are summed as diffusers' multi-ControlNet.",
+        examples=[[{"name": "edges", "image": "<base64 PNG>", "scale": 0.8}]])] = None
+    guess_mode: Annotated[bool | None, _doc("SD/SDXL ControlNet guess mode (with controls).")] = None
+    ip_image: Annotated[bytes | None, _doc("IP-Adapter: an image as a prompt, base64 PNG/JPEG/WebP (the engine's "
+                                           "--ip-adapter); in the edits form, a file.")] = None
+    ip_scale: Annotated[float | None, _doc("The IP-Adapter's scale (with ip_image; default 1).")] = None
     original_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
     crops_coords_top_left: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [top, left].")] = None
     target_size: Annotated[tuple[int, int] | None, _doc("SDXL micro-conditioning: [height, width].")] = None
@@ -117,8 +125,8 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True, forbid_unknown_fiel
 
 
 #: the extras that are not plain values: JSON text in a form, or the `openai` package's `x[...]` fields
-STRUCTURED_FIELDS = ("loras", "cache", *MICRO_CONDITIONING)
-EXTRA_FIELDS = ("loras", "true_cfg", "cache", *MICRO_CONDITIONING)
+STRUCTURED_FIELDS = ("loras", "cache", "controls", *MICRO_CONDITIONING)
+EXTRA_FIELDS = ("loras", "true_cfg", "cache", "controls", "guess_mode", "ip_image", "ip_scale", *MICRO_CONDITIONING)
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -242,7 +250,7 @@ def _generation(req: ImageGenerationRequest, served_models: tuple[str, ...], ada
         value = getattr(req, name)
         if value is None or value == {}:
             continue
-        if isinstance(value, tuple) and not all(-INT64 <= v < INT64 for v in value):
+        if name in MICRO_CONDITIONING and not all(-INT64 <= v < INT64 for v in value):
             raise bad_request(f"Invalid value for '{name}': {list(value)} is out of range.", name)
         knobs[name] = value
     if req.deadline_s is not None:
@@ -334,7 +342,7 @@ def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str
     for name, filename, content in form_parts(content_type, body):
         indexed = _INDEXED.match(name)
         base = indexed.group(1) if indexed else name
-        if base in FRAME_FIELDS:
+        if base in FILE_FIELDS:
             if base in files:
                 raise bad_request(f"One '{base}' only: this server edits one image per request.", base,
                                   "unsupported_value")
@@ -362,6 +370,9 @@ def parse_form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str
     return fields, files
 
 
+_JSON_SHAPES = {"loras": "an object", "cache": "an object", "controls": "a list of objects"}
+
+
 def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], max_input_bytes: int,
                adapters_as_models: bool = False) -> Generation:
     """Read and check an edits form; raises APIError (400/404) naming the parameter.
@@ -378,7 +389,7 @@ def parse_edit(content_type: str, body: bytes, served_models: tuple[str, ...], m
                 fields[name] = json.loads(value)
             except ValueError:
                 raise bad_request(f"Invalid value for '{name}': expected JSON "
-                                  f"({'an object' if name in ('loras', 'cache') else '[a, b]'}).", name) from None
+                                  f"({_JSON_SHAPES.get(name, '[a, b]')}).", name) from None
     try:
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:
@@ -487,12 +498,15 @@ def sse(event: str, data: dict) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
 
 
-def models_response(models: tuple[str, ...], created: int, adapters: list[str] = ()) -> bytes:
+def models_response(models: tuple[str, ...], created: int, adapters: list[str] = (),
+                    controlnets: list[str] = ()) -> bytes:
     """The served model, then its LoRA adapters (`parent`: the model; ask for one with
-    `extra_body={"loras": {name: scale}}`), as vLLM lists its LoRA modules."""
+    `extra_body={"loras": {name: scale}}`), as vLLM lists its LoRA modules, then its
+    ControlNets (`extra_body={"controls": [{"name": name, "image": base64}]}`)."""
     data = [{"id": m, "object": "model", "created": created, "owned_by": "diffslot"} for m in models]
-    data += [{"id": name, "object": "model", "created": created, "owned_by": "diffslot", "type": "lora",
-              "parent": models[0] if models else None} for name in adapters]
+    data += [{"id": name, "object": "model", "created": created, "owned_by": "diffslot", "type": kind,
+              "parent": models[0] if models else None}
+             for kind, names in (("lora", adapters), ("controlnet", controlnets)) for name in names]
     return _encoder.encode({"object": "list", "data": data})
 
 
@@ -535,7 +549,7 @@ class Model(msgspec.Struct):
     object: str
     created: int
     owned_by: str
-    type: str | None = None  # "lora" for an adapter
+    type: str | None = None  # "lora" for an adapter, "controlnet" for a ControlNet
     parent: str | None = None  # an adapter's model
 
 

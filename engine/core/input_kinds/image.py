@@ -104,6 +104,20 @@ def _eight_bit(image):
     return Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
 
 
+def image_header_size(data) -> tuple[int, int] | None:
+    """(height, width) an encoded image's header states, without decoding its pixels; None
+    if it is not readable."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            width, height = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS).size
+    except Exception:
+        return None
+    return height, width
+
+
 class ImageKind(InputKind):
     """`image`, `mask` and `strength`: img2img and inpainting."""
 
@@ -156,17 +170,7 @@ class ImageKind(InputKind):
     def header_size(self, params) -> tuple[int, int] | None:
         """(height, width) the image's header states, without decoding its pixels; None if
         there is no image or it is not readable (its request is rejected later, naming it)."""
-        if params.image is None:
-            return None
-        from PIL import Image
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                width, height = Image.open(io.BytesIO(params.image), formats=IMAGE_FORMATS).size
-        except Exception:
-            return None
-        return height, width
+        return None if params.image is None else image_header_size(params.image)
 
     def output_size(self, images: ImageInputs) -> tuple[int | None, int | None]:
         """(height, width) an image request takes where height or width is not given: the
