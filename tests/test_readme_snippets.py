@@ -69,7 +69,8 @@ def test_every_snippet_runs_as_written(tmp_path):
         for number, (info, code) in enumerate(blocks((REPO / "README.md").read_text())):
             if info in NOT_RUN:
                 continue
-            code = code.replace(SOCKET, address).replace(f"127.0.0.1:{PORT}", f"127.0.0.1:{port}") \
+            code = re.sub(r"ipc:///tmp/(diffslot[\w-]*)\.sock", lambda m: f"ipc://{socket_dir / m.group(1)}.sock",
+                          code.replace(SOCKET, address)).replace(f"127.0.0.1:{PORT}", f"127.0.0.1:{port}") \
                        .replace(f"--port {PORT}", f"--port {port}")
             command = ["bash", "-euo", "pipefail", "-c", code] if info == "bash" else [sys.executable, "-c", code]
             log = tmp_path / f"block-{number}.log"  # a file: background jobs write to it for as long as they run
