@@ -53,7 +53,7 @@ class ModelOptions:
     """Which model the engine serves, where, and in which dtype."""
 
     model: str = dataclasses.field(default="shapes", metadata=cli(
-        "--model", help="'shapes' (embedded) or a diffusers model folder"))
+        "--model", help="'shapes' or 'shapes-dit' (embedded; shapes-dit: ask for 32x32) or a diffusers model folder"))
     device: str | None = dataclasses.field(default=None, metadata=cli(
         "--device", choices=("cpu", "cuda"), help="default: cuda if present"))
     dtype: str = dataclasses.field(default="float32", metadata=cli(

@@ -124,10 +124,10 @@ class DiffusionModel:
 
     @property
     def name(self) -> str:
-        """What clients are told the model is: `shapes` for the embedded one, else its folder's name."""
-        from engine.models import SHAPES_DIR
+        """What clients are told the model is: an embedded one's name (`shapes`), else its folder's name."""
+        from engine.models import embedded_name
 
-        return "shapes" if pathlib.Path(self.path) == SHAPES_DIR else pathlib.Path(self.path).name
+        return embedded_name(self.path) or pathlib.Path(self.path).name
 
     @functools.cached_property
     def geometry(self) -> Geometry:
