@@ -98,6 +98,7 @@ CONCERNS = {
     "tests/test_model_contract.py": ("models",),
     "tests/test_pipelines.py": ("models",),
     "tests/test_sdxl_flux.py": ("models",),
+    "tests/test_shapes_dit.py": ("models",),
     "tests/test_shapes_model.py": ("models",),
     "tests/test_tiny_pipelines.py": ("models",),
     # kernels: Triton kernels (interpreter), engine._C, the GPU path's helpers on CPU
