@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_threa
 
 STEPS = 20  # the engine's default steps, flow-matching Euler: the model's default
 # The target is 0.9 of samples read as their prompt; the shipped weights do not reach it
-# yet (bench/RESULTS.md: MEASURED of 384 samples). This floor is theirs, a few standard
+# yet (bench/RESULTS.md: 0.747 of 384 samples). This floor is theirs, a few standard
 # deviations under it at 48 samples: it catches a broken model or pipeline (an untrained
 # one reads 0), not the missing quality.
 MIN_ACCURACY = 0.5
