@@ -27,8 +27,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from engine.models.shapes.classify import classify
 from engine.models import SHAPES_DIR, resolve
-from engine.models.shapes.draw import PROMPTS, SIZE
 from engine.models.loading import pipeline_class_of
+from engine.models.shapes.draw import PROMPTS, SIZE
 
 
 def prompt_condition(prompt: str) -> str:
