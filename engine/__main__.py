@@ -59,8 +59,9 @@ class ModelOptions:
 
     model: str = dataclasses.field(default="shapes", metadata=cli(
         "--model", metavar="FOLDER|HUB_ID|FILE",
-        help="'shapes' (embedded), a diffusers pipeline folder, a Hugging Face hub id (org/name: from the local "
-             "cache, downloaded when absent and online) or a single-file checkpoint (.safetensors/.ckpt)"))
+        help="'shapes' or 'shapes-dit' (embedded; shapes-dit: ask for 32x32), a diffusers pipeline folder, a "
+             "Hugging Face hub id (org/name: from the local cache, downloaded when absent and online) or a "
+             "single-file checkpoint (.safetensors/.ckpt)"))
     revision: str | None = dataclasses.field(default=None, metadata=cli(
         "--revision", help="a hub id's branch, tag or commit (default: main)"))
     variant: str | None = dataclasses.field(default=None, metadata=cli(

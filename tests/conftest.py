@@ -103,6 +103,7 @@ CONCERNS = {
     "tests/test_sdxl_flux.py": ("models",),
     "tests/test_qwen_image.py": ("models",),
     "tests/test_shapes_controlnet.py": ("models",),
+    "tests/test_shapes_dit.py": ("models",),
     "tests/test_shapes_model.py": ("models",),
     "tests/test_step_cache.py": ("models",),
     "tests/test_tiny_pipelines.py": ("models",),

@@ -96,9 +96,9 @@ def _model_folder(model) -> pathlib.Path:
     """The folder of a model name, folder or loaded model (workers load the VAE from it)."""
     if hasattr(model, "geometry") and hasattr(model, "path"):  # a loaded DiffusionModel
         return pathlib.Path(getattr(model, "decode_folder", None) or model.path)
-    from engine.models import SHAPES_DIR
+    from engine.models import EMBEDDED
 
-    path = SHAPES_DIR if str(model) == "shapes" else pathlib.Path(model).expanduser().resolve()
+    path = EMBEDDED.get(str(model)) or pathlib.Path(model).expanduser().resolve()
     if not (path / "vae" / "config.json").exists():
         raise FileNotFoundError(f"decode workers load the VAE from a model folder; {path} has no vae/config.json")
     return path

@@ -1,5 +1,5 @@
-"""Model sources: the embedded `shapes` model, a diffusers-format folder, a Hugging Face
-hub id, or a single-file checkpoint.
+"""Model sources: the embedded models (`shapes`, `shapes-dit`), a diffusers-format folder,
+a Hugging Face hub id, or a single-file checkpoint.
 
 `resolve` finds the local folder (or file) of a model, downloading a hub id only when it
 is not in the local cache and the hub may be reached; `engine.models.loading.load_model`
@@ -13,6 +13,16 @@ import pathlib
 import re
 
 SHAPES_DIR = pathlib.Path(__file__).resolve().parent / "shapes" / "weights"
+SHAPES_DIT_DIR = pathlib.Path(__file__).resolve().parent / "shapes" / "dit_weights"
+#: The models that ship with the engine, by name: `shapes` (a StableDiffusionPipeline, UNet)
+#: and `shapes-dit` (a FluxPipeline, transformer), trained on the same drawn shapes.
+EMBEDDED = {"shapes": SHAPES_DIR, "shapes-dit": SHAPES_DIT_DIR}
+
+
+def embedded_name(path: str | pathlib.Path) -> str | None:
+    """The name of the embedded model at `path`, or None."""
+    path = pathlib.Path(path).expanduser().resolve()
+    return next((name for name, folder in EMBEDDED.items() if folder == path), None)
 
 #: the suffixes of single-file checkpoints (A1111 / ComfyUI / original Stability releases)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -36,7 +46,7 @@ def resolve(name_or_path: str | pathlib.Path, revision: str | None = None,
             variant: str | None = None) -> pathlib.Path:
     """The local folder of a model, or its single-file checkpoint.
 
-    - `shapes`: the embedded model;
+    - `shapes`, `shapes-dit`: the embedded models (`EMBEDDED`);
     - a folder: a pipeline folder as diffusers saves it (`model_index.json` names the
       pipeline), or the class-conditional layout (`unet/`, `vae/`, `scheduler/`,
       `conditions.json`: condition strings in class-index order, the null condition last);
@@ -46,8 +56,8 @@ def resolve(name_or_path: str | pathlib.Path, revision: str | None = None,
       downloaded first when it is not there and the hub may be reached.
     """
     text = str(name_or_path)
-    if text == "shapes":
-        return SHAPES_DIR
+    if text in EMBEDDED:
+        return EMBEDDED[text]
     path = pathlib.Path(text).expanduser()
     if path.exists():
         if revision is not None:
@@ -63,11 +73,12 @@ def resolve(name_or_path: str | pathlib.Path, revision: str | None = None,
 
 
 def display_name(path: str | pathlib.Path) -> str:
-    """What clients are told a model is: `shapes`, a hub id for a snapshot in the hub's
-    cache (`.../models--org--name/snapshots/REV`), else the folder's or file's name."""
+    """What clients are told a model is: an embedded one's name, a hub id for a snapshot in
+    the hub's cache (`.../models--org--name/snapshots/REV`), else the folder's or file's name."""
+    embedded = embedded_name(path)
+    if embedded is not None:
+        return embedded
     path = pathlib.Path(path)
-    if path == SHAPES_DIR:
-        return "shapes"
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.removeprefix("models--").replace("--", "/")
     return path.name

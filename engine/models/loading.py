@@ -295,7 +295,8 @@ class DiffusionModel:
 
     @property
     def name(self) -> str:
-        """What clients are told the model is: `shapes` for the embedded one, else its folder's name."""
+        """What clients are told the model is: an embedded one's name (`shapes`), a hub id, else
+        its folder's name."""
         from engine.models import display_name
 
         return display_name(self.path)

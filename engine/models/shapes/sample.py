@@ -1,11 +1,13 @@
-"""Sample the embedded `shapes` model (a `StableDiffusionPipeline` folder) with diffusers
-alone and save a labelled grid: `python -m engine.models.shapes.sample -o shapes_grid.png
-[--model DIR]`.
+"""Sample an embedded model with diffusers alone and save a labelled grid:
+`python -m engine.models.shapes.sample -o shapes_grid.png [--model shapes | shapes-dit | DIR]`.
 
-`StableDiffusionPipeline.from_pretrained(DIR)` with diffusers' DPMSolverMultistepScheduler
-swapped in (the folder's own DDIM with `--scheduler ddim`); every prompt in one batched
-pipeline call with classifier-free guidance. Used by the model's quality test and to look
-at it: each image is captioned with its prompt and, where the classifier reads it
+`shapes` (a `StableDiffusionPipeline` folder): `StableDiffusionPipeline.from_pretrained`
+with diffusers' DPMSolverMultistepScheduler swapped in (the folder's own DDIM with
+`--scheduler ddim`), classifier-free guidance. `shapes-dit` (a `FluxPipeline` folder):
+`FluxPipeline.from_pretrained` with its own flow-matching Euler scheduler, at 32×32 (the
+pipeline's own default size is 512×512 for this VAE), no guidance of any kind. Every
+prompt in one batched pipeline call. Used by the models' quality tests and to look at
+them: each image is captioned with its prompt and, where the classifier reads it
 otherwise, with what it reads.
 """
 from __future__ import annotations
@@ -18,14 +20,15 @@ import torch
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
+    FluxPipeline,
     StableDiffusionPipeline,
 )
 from PIL import Image, ImageDraw, ImageFont
 
 from engine.models.shapes.classify import classify
-from engine.models.shapes.draw import PROMPTS
-
-SHAPES_DIR = pathlib.Path(__file__).resolve().parent / "weights"  # engine.models.resolve("shapes")
+from engine.models import SHAPES_DIR, resolve
+from engine.models.loading import pipeline_class_of
+from engine.models.shapes.draw import PROMPTS, SIZE
 
 
 def prompt_condition(prompt: str) -> str:
@@ -33,7 +36,14 @@ def prompt_condition(prompt: str) -> str:
     return prompt.removeprefix("a ")
 
 
-def load_pipeline(folder: str | pathlib.Path = SHAPES_DIR, scheduler: str = "dpm") -> StableDiffusionPipeline:
+def load_pipeline(folder: str | pathlib.Path = SHAPES_DIR, scheduler: str = "dpm"):
+    """The folder's pipeline (a model name or a path). `scheduler` applies to
+    StableDiffusionPipeline folders; a FluxPipeline keeps its own."""
+    folder = resolve(folder)
+    if pipeline_class_of(folder) == "FluxPipeline":
+        pipe = FluxPipeline.from_pretrained(str(folder))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     pipe = StableDiffusionPipeline.from_pretrained(str(folder))
     if scheduler == "dpm":
         pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
@@ -46,11 +56,13 @@ def load_pipeline(folder: str | pathlib.Path = SHAPES_DIR, scheduler: str = "dpm
 
 
 @torch.no_grad()
-def sample(pipe: StableDiffusionPipeline, prompts: list[str], steps: int = 20, guidance: float = 3.0,
-           seed: int = 0) -> np.ndarray:
-    """uint8 images (len(prompts) × H × W × 3), all prompts in one pipeline call."""
+def sample(pipe, prompts: list[str], steps: int = 20, guidance: float = 3.0, seed: int = 0) -> np.ndarray:
+    """uint8 images (len(prompts) × H × W × 3), all prompts in one pipeline call. A
+    FluxPipeline is asked for the trained size, 32×32 (`guidance` is then the schnell-like
+    transformer's ignored `guidance_scale`)."""
+    size = dict(height=SIZE, width=SIZE) if isinstance(pipe, FluxPipeline) else {}
     out = pipe(prompt=list(prompts), num_inference_steps=steps, guidance_scale=guidance,
-               generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+               generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **size)
     return (np.clip(out.images, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
@@ -75,12 +87,13 @@ def labelled_grid(images: np.ndarray, captions: list[list[str]], columns: int, s
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", type=pathlib.Path, default=pathlib.Path("shapes_grid.png"))
-    ap.add_argument("--model", type=pathlib.Path, default=SHAPES_DIR)
+    ap.add_argument("--model", default="shapes", help="shapes, shapes-dit or a pipeline folder")
     ap.add_argument("--per-prompt", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scheduler", choices=("dpm", "ddim"), default="dpm")
+    ap.add_argument("--scheduler", choices=("dpm", "ddim"), default="dpm",
+                    help="for a StableDiffusionPipeline (FLUX keeps its own flow-matching Euler)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
