@@ -14,7 +14,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["engine", "engine.*", "frontend", "frontend.*"]),
     package_data={"engine.models": ["shapes/weights/*.json", "shapes/weights/*/*", "shapes/loras/*/*.safetensors",
-                                    "shapes/controlnet/*"],
+                                    "shapes/controlnet/*", "shapes/dit_weights/*.json", "shapes/dit_weights/*.md",
+                                    "shapes/dit_weights/*/*"],
                   "engine.instrument": ["page.html"]},
     ext_modules=[
         Extension(

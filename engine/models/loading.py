@@ -406,16 +406,14 @@ class DiffusionModel:
             adapters.bind(inputs.lora_index, inputs.lora_scale)
         if cache_call is None:
             return self.forward(inputs)
-        rebind = None
-        if adapters is not None and inputs.lora_index is not None:
-            index, scale = inputs.lora_index, inputs.lora_scale
+        index, scale = inputs.lora_index, inputs.lora_scale
 
-            def rebind(rows):  # the rows a gathered block runs on keep their own adapters
-                if rows is None:
-                    adapters.bind(index, scale)
-                else:
-                    adapters.bind(index.index_select(0, rows), scale.index_select(0, rows))
-        with self.row_cache.bound(cache_call, rebind):
+        def rebind(rows):  # the rows a gathered block runs on keep their own adapters
+            if rows is None:
+                adapters.bind(index, scale)
+            else:
+                adapters.bind(index.index_select(0, rows), scale.index_select(0, rows))
+        with self.row_cache.bound(cache_call, rebind if adapters is not None and index is not None else None):
             return self.forward(inputs)
 
     # ---- step caches, decided per request (engine.models.step_cache) ----
