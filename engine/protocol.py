@@ -78,14 +78,15 @@ class StepCache(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_
     shared batch. `kind="off"` turns the server's default (`--cache`) off."""
 
     kind: str  # first_block (FirstBlockCacheConfig), mag (MagCacheConfig), taylorseer (TaylorSeerCacheConfig), off
-    threshold: float | None = None  # first_block (0.05), mag (0.06)
-    max_skip_steps: int | None = None  # mag (3)
-    retention_ratio: float | None = None  # mag (0.2)
-    mag_ratios: tuple[float, ...] | None = None  # mag: the model's calibrated ratios (default: the model's own)
-    cache_interval: int | None = None  # taylorseer (5)
-    disable_cache_before_step: int | None = None  # taylorseer (3)
-    disable_cache_after_step: int | None = None  # taylorseer (None)
-    max_order: int | None = None  # taylorseer (1)
+    threshold: Annotated[float, msgspec.Meta(ge=0)] | None = None  # first_block (0.05), mag (0.06)
+    max_skip_steps: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None  # mag (3)
+    retention_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # mag (0.2)
+    # mag: the model's calibrated ratios (default: the model's own)
+    mag_ratios: Annotated[tuple[float, ...], msgspec.Meta(min_length=1, max_length=1000)] | None = None
+    cache_interval: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None  # taylorseer (5)
+    disable_cache_before_step: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None  # taylorseer (3)
+    disable_cache_after_step: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None  # taylorseer (None)
+    max_order: Annotated[int, msgspec.Meta(ge=0, le=4)] | None = None  # taylorseer (1)
     factors_dtype: str | None = None  # taylorseer: bfloat16 (diffusers' default), float16 or float32
 
 
