@@ -17,10 +17,9 @@ import torch
 from PIL import Image, ImageDraw
 
 from engine.core import CoreConfig, EngineCore
-from engine.core.kernels import combine_norm_preserving
 from engine.models.geometry import geometry_of
 from engine.models.loading import VaeDecoder, load_model, model_inputs, prompt_rows
-from engine.models.qwen_image import QwenImageModel, QwenImageVaeDecoder
+from engine.models.qwen_image import QwenImageModel, QwenImageVaeDecoder, combine_norm_preserving
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, model_of, rel_l2
 from engine.testing.tiny_qwen_image import build_qwen_image

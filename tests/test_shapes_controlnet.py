@@ -1,5 +1,5 @@
 """The shipped silhouette ControlNet of the `shapes` model (engine/models/shapes/controlnet,
-trained by `engine.models.shapes.train_controlnet`): served beside `shapes`, a request's
+trained by `engine.models.shapes.train_controlnet`, measured by `bench/shapes_controlnet.py`): served beside `shapes`, a request's
 silhouette makes the model draw the prompt's shape there, in the prompt's colour, as the
 `shapes` classifier reads it; without the control (scale 0) the drawn shapes do not
 overlap the silhouettes."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.shapes.train_controlnet import DEFAULT_OUT, evaluate
+from bench.shapes_controlnet import evaluate
+from engine.models.shapes.train_controlnet import DEFAULT_OUT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

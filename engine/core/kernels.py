@@ -195,22 +195,6 @@ def update_slots(model_out, latents, history, noise, index, coefs) -> None:
 
 
 
-# ---- norm-preserving guidance ------------------------------------------------------------
-
-def combine_norm_preserving(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """True CFG that keeps the conditional prediction's norm, as Qwen-Image's pipelines
-    combine their two branches: `comb = uncond + scale · (cond − uncond)`, rescaled per
-    token (the last axis: one packed token's channels) by ‖cond‖ / ‖comb‖. The operations
-    and their order are the pipeline's, so a row combined here equals the pipeline's own.
-
-    Models whose pipeline combines so (`combines_guidance`) run this before the fused
-    update and write the result into both branch rows: the kernel's `u + g · (c − u)` of
-    two equal rows is that row exactly."""
-    comb = uncond + scale * (cond - uncond)
-    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-    noise_norm = torch.norm(comb, dim=-1, keepdim=True)
-    return comb * (cond_norm / noise_norm)
-
 # ---- inpainting: keep the known region ---------------------------------------------------
 #
 # After a step's update, for every slot j of the entries (4-channel inpainting, as

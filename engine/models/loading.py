@@ -233,6 +233,10 @@ class Conditioning:
         return size + (0 if self.pooled is None else self.pooled.numel() * self.pooled.element_size())
 
 
+#: decoders of the VAEs `AutoencoderKL` does not load, by their config's class name (imported on first use)
+_VAE_DECODERS = {"AutoencoderKLQwenImage": "engine.models.qwen_image:QwenImageVaeDecoder"}
+
+
 class VaeDecoder:
     """Final latents (unscaled, as the denoiser sees them) → uint8 images, as the
     pipeline's `vae.decode` and image post-processing do."""
@@ -245,10 +249,11 @@ class VaeDecoder:
     def from_folder(cls, path: pathlib.Path, device: str | torch.device = "cpu") -> "VaeDecoder":
         from diffusers import AutoencoderKL
 
-        from engine.models.qwen_image import QwenImageVaeDecoder, is_qwen_image_vae
-
-        if is_qwen_image_vae(path):  # a one-frame video VAE, decoded as its pipeline decodes
-            return QwenImageVaeDecoder.from_folder(path, device)
+        config = pathlib.Path(path) / "vae" / "config.json"
+        entry = _VAE_DECODERS.get(json.loads(config.read_text()).get("_class_name")) if config.exists() else None
+        if entry is not None and cls is VaeDecoder:  # a VAE AutoencoderKL does not load, decoded as its pipeline does
+            module, name = entry.split(":")
+            return getattr(importlib.import_module(module), name).from_folder(path, device)
         with quiet_loading():
             vae = AutoencoderKL.from_pretrained(pathlib.Path(path) / "vae", low_cpu_mem_usage=False,
                                                 variant=folder_variant(pathlib.Path(path) / "vae"))

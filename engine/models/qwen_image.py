@@ -39,14 +39,12 @@ image a request (`QwenImageEditPlusModel`).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from engine.core.kernels import combine_norm_preserving
 from engine.models.flux import FLUX_SAMPLERS, FluxModel
 from engine.models.inputs import ModelInputs
 from engine.models.loading import Conditioning, DiffusionModel, VaeDecoder, to_device
@@ -93,10 +91,19 @@ class QwenImageVaeDecoder(VaeDecoder):
         return images.permute(0, 2, 3, 1).cpu().numpy()
 
 
-def is_qwen_image_vae(path: pathlib.Path) -> bool:
-    """Whether a folder's `vae/` is Qwen-Image's (read from its config, no weights)."""
-    config = pathlib.Path(path) / "vae" / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("_class_name") == "AutoencoderKLQwenImage"
+def combine_norm_preserving(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG that keeps the conditional prediction's norm, as Qwen-Image's pipelines
+    combine their two branches: `comb = uncond + scale · (cond − uncond)`, rescaled per
+    token (the last axis: one packed token's channels) by ‖cond‖ / ‖comb‖. The operations
+    and their order are the pipeline's, so a row combined here equals the pipeline's own.
+
+    Models whose pipeline combines so (`combines_guidance`) run this before the fused
+    update and write the result into both branch rows: the kernel's `u + g · (c − u)` of
+    two equal rows is that row exactly."""
+    comb = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+    return comb * (cond_norm / noise_norm)
 
 
 class QwenImageModel(FluxModel):

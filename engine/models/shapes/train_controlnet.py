@@ -12,10 +12,7 @@ warm-up and cosine decay; the EMA of the weights is saved (`save_pretrained`) as
 `engine/models/shapes/controlnet/` by default: serve it with
 `python -m engine serve --controlnet silhouette=engine/models/shapes/controlnet`.
 
-`--evaluate` samples `--seeds` requests through the engine core (a random shape, colour,
-place and size each; 20 DDIM steps, guidance 3) and reports, per the `shapes`
-classifier's reading, the share drawn in the prompt's colour and the IoU of the drawn
-shape's mask with the silhouette.
+`python bench/shapes_controlnet.py` measures it through the engine core.
 """
 from __future__ import annotations
 
@@ -125,41 +122,6 @@ def train(out: pathlib.Path, steps: int | None, minutes: float | None, images: i
     return i
 
 
-def evaluate(folder: pathlib.Path, seeds: int, steps: int = 20, scale: float = 1.0) -> dict:
-    """Through the engine core: per request a random shape, colour, place and size, the
-    silhouette at `scale` (0: the model alone, for comparison)."""
-    import sys
-
-    from engine.core import CoreConfig, EngineCore
-    from engine.models.controlnet import attach_controlnets
-    from engine.models.loading import load_model
-    from engine.models.shapes.classify import SATURATION, explain
-    from engine.models.shapes.draw import CONDITIONS
-    from engine.protocol import Control, GenerateParams
-
-    if str(HERE.parents[2]) not in sys.path:
-        sys.path.insert(0, str(HERE.parents[2]))
-    from tests.core_driver import run_to_end
-
-    model = load_model("shapes")
-    attach_controlnets(model, {"silhouette": folder})
-    _, labels, masks = draw_with_silhouettes(seeds, np.random.default_rng(12345))
-    params = {f"r{k}": GenerateParams(prompt=f"a {CONDITIONS[int(label)]}", steps=steps, guidance=3.0, seed=k,
-                                      output="uint8", negative_prompt="",
-                                      controls=(Control("silhouette", silhouette_png(mask), scale=scale),))
-              for k, (label, mask) in enumerate(zip(labels, masks))}
-    d = run_to_end(EngineCore(model, CoreConfig(slots=8)), params, auto_decode=True, keep=None)
-    colours, ious = [], []
-    for k, (label, mask) in enumerate(zip(labels, masks)):
-        image = np.asarray(model.decode(d.finished[f"r{k}"].latents[None]))[0]
-        colour, _, _ = explain(image)
-        drawn = (image.astype(np.float32) / 255).max(-1) - (image.astype(np.float32) / 255).min(-1) > SATURATION
-        colours.append(colour == CONDITIONS[int(label)].split()[0])
-        ious.append(float((drawn & mask).sum() / max(1, (drawn | mask).sum())))
-    return {"colour_right": float(np.mean(colours)), "iou_mean": float(np.mean(ious)),
-            "iou_min": float(np.min(ious)), "seeds": seeds}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
@@ -171,18 +133,14 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--evaluate", action="store_true", help="only evaluate the ControlNet in --out")
-    ap.add_argument("--seeds", type=int, default=24)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not args.evaluate:
-        if args.steps is None and args.minutes is None:
-            args.steps = 3000
-        started = time.time()
-        done = train(args.out, args.steps, args.minutes, args.images, args.batch, args.lr, args.seed)
-        print(f"trained {done} steps in {time.time() - started:.0f} s -> {args.out}")
-    with torch.no_grad():
-        print(evaluate(args.out, args.seeds))
+    if args.steps is None and args.minutes is None:
+        args.steps = 3000
+    started = time.time()
+    done = train(args.out, args.steps, args.minutes, args.images, args.batch, args.lr, args.seed)
+    print(f"trained {done} steps in {time.time() - started:.0f} s -> {args.out}; measure it with "
+          f"`python bench/shapes_controlnet.py --controlnet {args.out}`")
 
 
 if __name__ == "__main__":
