@@ -147,6 +147,8 @@ class EngineCore:
             outputs += self._run(plan)
         elif plan is None and not outputs:
             self.reaper.wait(self.config.fence_wait_s)
+            if self.adapters is not None:  # waiting only for a load: spinning here would starve its thread
+                self.adapters.wait_for_loads(self.config.fence_wait_s)
         outputs += self.reaper.reap()
         return outputs
 

@@ -25,6 +25,9 @@ class AdapterResidency(Protocol):
         memory). Raises when they can never be resident (a set over the budget, a file
         that changed into one that cannot be served or read)."""
 
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block for at most `timeout_s` while an adapter is loading (an idle busy loop)."""
+
     def release(self, slots: Sequence[int]) -> None:
         """Drop one reference per slot (after the fence of the slot's last launch)."""
 

@@ -554,6 +554,15 @@ class AdapterPool:
                 adapter.last_used = self._tick
             return [a.slot for a in adapters]
 
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block for at most `timeout_s` while a load is in flight (returns when one ends).
+        The busy loop calls it when it has nothing else to do: spinning instead holds the
+        GIL from the loader thread, whose file read takes it back once per tensor."""
+        with self._lock:
+            pending = [a.loading for a in self._adapters.values() if a.loading is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
     def acquire_waiting(self, names: Sequence[str], timeout_s: float = 300.0) -> list[int] | None:
         """`acquire`, waiting for the loads it starts (tests and benchmarks; never the busy loop)."""
         while True:
