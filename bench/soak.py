@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 from PIL import Image, ImageDraw, PngImagePlugin  # noqa: E402
 
+from engine.core.config import CoreConfig  # noqa: E402
 from engine.protocol import Canceled, Completed, GenerateParams, Rejected  # noqa: E402
 from frontend.async_client import AsyncClient  # noqa: E402
 from frontend.client import EngineDeadError  # noqa: E402
@@ -128,7 +129,7 @@ def tree_rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def stack(directory: pathlib.Path, slots: int, max_input: int):
+def stack(directory: pathlib.Path, slots: int, max_input: int, group_aging: float):
     from diffusers import StableDiffusionPipeline
 
     from engine.testing.loras import make_lora
@@ -143,7 +144,7 @@ def stack(directory: pathlib.Path, slots: int, max_input: int):
     address = f"ipc://{directory / 'engine.sock'}"
     command = serve_command(address, "--model", str(folder), "--slots", str(slots), "--device", "cpu",
                             "--decode-workers", "1", "--max-input-bytes", str(max_input), "--lora-dir", str(lora_dir),
-                            "--max-queue", "256")
+                            "--max-queue", "256", "--group-aging", str(group_aging))
     engine = EngineProcess(command, address, directory / "engine.log", env=env, cwd=REPO)
     gateway = None
     try:
@@ -498,6 +499,8 @@ def main(argv=None) -> int:
                     help="each traffic worker's mean pause between its requests (0: back to back, a flood)")
     ap.add_argument("--quick", action="store_true", help="a few seconds of each kind (the smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process")
+    ap.add_argument("--group-aging", type=float, default=CoreConfig.group_aging,
+                    help="the engine's --group-aging (0: latent-size groups take turns)")
     args = ap.parse_args(argv)
     import torch
 
@@ -506,7 +509,7 @@ def main(argv=None) -> int:
     minutes = max(0.05, min(minutes, 60.0))  # bounded in time, whatever was asked
     directory = pathlib.Path(tempfile.mkdtemp(prefix="diffslot-soak-"))
     try:
-        with stack(directory, args.slots, args.max_input_bytes) as (address, url, port, engine, gateway, pipe, lora):
+        with stack(directory, args.slots, args.max_input_bytes, args.group_aging) as (address, url, port, engine, gateway, pipe, lora):
             run, sampler, (idle, loaded, start, end) = asyncio.run(soak(
                 address, url, port, engine.pid, gateway.pid, minutes, args.max_input_bytes, pipe, lora,
                 8 if args.quick else args.idle_connections, args.think_s))

@@ -34,6 +34,9 @@ CORE_FLAGS = {
     "srpt_aging": flag("--srpt-aging", metavar="X",
                        help="srpt: the work admitted while a request waits is at most X × (the work queued ahead "
                             "of it + its own); then it goes first"),
+    "group_aging": flag("--group-aging", metavar="X",
+                        help="the group whose next request finishes soonest runs next, but one that waited X × "
+                             "(other runnable groups) batches goes first; 0: groups take turns"),
     "priority_aging": flag("--priority-aging", metavar="X",
                            help="a request of a lower priority goes first once the work admitted while it waits "
                                 "exceeds X × (the work queued ahead of it + its own)"),

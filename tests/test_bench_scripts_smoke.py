@@ -1,4 +1,4 @@
-"""Smoke: the decode-stage, admission-policy and priorities benchmarks and the soak run as
+"""Smoke: the decode-stage, admission-policy, priorities and step-cache benchmarks and the soak run as
 scripts (`--quick`) and print a row for every configuration with plausible numbers, the
 policies' aging sweep too."""
 from __future__ import annotations
@@ -102,6 +102,21 @@ def test_step_cache_quick(tmp_path):
     assert rows["off"][1] == "1.00" and float(rows["off"][3]) == 0.0
     assert float(rows["mag 0.06"][3]) > 0 and float(rows["mag 0.06"][2]) < float(rows["off"][2]), lines
     assert all(float(cells[0]) > 0 for cells in rows.values())
+
+
+@pytest.mark.timeout(300)
+def test_step_cache_served_quick(tmp_path):
+    """The served run (PNG outputs, progress, a cancel) prints a row per setting: every
+    request answered, progress seen, and only the cached run skipped steps."""
+    lines = run_script("step_cache_served.py", tmp_path)
+    rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                              if line.startswith("| 0 "))}
+    assert set(rows) == {"off", "mag:0.06"}, lines
+    for name, (completed, canceled, goodput, p50, p90, skipped, wasted, accuracy) in rows.items():
+        assert int(completed) + int(canceled) == 8 and int(completed) >= 5, (name, lines)
+        assert float(goodput) > 0 and 0 < float(p50) <= float(p90), (name, lines)
+    assert float(rows["off"][5]) == 0 and float(rows["mag:0.06"][5]) > 0, lines
+    assert any(line.startswith("goodput mag:0.06 / off per repeat:") for line in lines), lines
 
 
 @pytest.mark.timeout(300)

@@ -122,8 +122,8 @@ def test_a_full_queue_rejects_at_once_and_a_reused_id_names_request_id():
     assert reused.value.field == "request_id"
 
 
-def test_requests_of_other_shapes_get_their_own_group_and_groups_take_turns():
-    scheduler, _, made = create_scheduler(slots=1)
+def test_requests_of_other_shapes_get_their_own_group_and_a_group_aging_of_0_takes_turns():
+    scheduler, _, made = create_scheduler(slots=1, group_aging=0)
     scheduler.add(create_request("small"))
     scheduler.add(create_request("big", shape=(4, 16, 16)))
     assert ids(scheduler.admit()) == ["small", "big"] and len(made) == 2
@@ -134,6 +134,66 @@ def test_requests_of_other_shapes_get_their_own_group_and_groups_take_turns():
         finish_step(scheduler, group)
     assert served == [SHAPE, (4, 16, 16)] * 2
     assert scheduler.group_wait_max == 1
+
+
+def serve(scheduler, batches: int) -> str:
+    """Run `batches` batches; the first letter of each served group's request ids."""
+    order = ""
+    for _ in range(batches):
+        group = scheduler.pick_group()
+        if group is None:
+            break
+        order += "".join(sorted({r.request_id[0] for r in group.requests if r is not None}))
+        finish_step(scheduler, group)
+        for request in list(scheduler.requests.values()):
+            if request.status is RequestStatus.FINISHING:
+                scheduler.release_slot(request)
+                scheduler.denoised(request)
+                scheduler.decode_done(request.request_id)
+    return order
+
+
+def test_the_group_whose_next_request_finishes_soonest_runs_first():
+    """A 4-step request of a small size among long requests of other sizes is served
+    step after step, not once every round: fewest steps left × what one call computes
+    decides, so a short big-size request still waits for a short small-size one."""
+    scheduler, _, _ = create_scheduler(slots=1, trajectory_bytes=10_000, group_aging=4)
+    for i, size in enumerate((8, 10, 12)):
+        scheduler.add(create_request(f"{'lmn'[i]}", steps=20, shape=(4, size, size)))
+    scheduler.add(create_request("short", steps=4, shape=(4, 14, 14)))
+    scheduler.add(create_request("quick", steps=2, shape=(4, 16, 16)))
+    scheduler.admit()
+    order = serve(scheduler, 7)
+    # quick: 2 steps × 256 < short: 4 steps × 196 < l: 20 × 64 < m < n; no group comes due
+    # before it waited 4 × (the other runnable groups) batches
+    assert order == "qqssssl", order
+
+
+def test_no_group_waits_more_than_its_aging_bound_under_a_stream_of_short_work():
+    """A long request's group among a steady stream of 1-step requests of another size:
+    without aging it would never run. With group_aging a, it waits at most
+    (a + 1) × (other runnable groups) batches, and it does run."""
+    for aging in (0.0, 1.0, 2.0, 4.0):
+        scheduler, _, _ = create_scheduler(slots=1, trajectory_bytes=10_000, group_aging=aging)
+        scheduler.add(create_request("long", steps=30, shape=(4, 16, 16)))
+        scheduler.admit()
+        long_served = 0
+        for i in range(40):
+            scheduler.add(create_request(f"s{i}", steps=1))
+            scheduler.admit()
+            long_served += serve(scheduler, 1) == "l"
+        assert scheduler.group_wait_max <= (aging + 1) * 1, (aging, scheduler.group_wait_max)
+        assert long_served >= 40 // (int(aging) + 2), (aging, long_served)
+        assert scheduler.group_wait_max > aging * 1 - 1  # the bound is reached: short work did go first
+
+
+def test_a_group_holding_a_higher_priority_runs_before_shorter_work():
+    for aging, expected in ((10.0, "uuuuuuss"), (2.0, "uusuusuu")):  # aging still bounds the wait
+        scheduler, _, _ = create_scheduler(slots=1, trajectory_bytes=10_000, group_aging=aging)
+        scheduler.add(create_request("short", steps=2))
+        scheduler.add(create_request("urgent", steps=6, priority=1, shape=(4, 16, 16)))
+        scheduler.admit()
+        assert serve(scheduler, 8) == expected, aging
 
 
 def test_a_request_that_does_not_fit_lets_a_bounded_number_pass_then_waits_first():

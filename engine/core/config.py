@@ -28,6 +28,9 @@ class CoreConfig:
     # admission order: srpt (least remaining evaluations first, aged: see engine.core.scheduling.scheduler;
     # measured in bench/RESULTS.md), or fifo
     policy: str = "srpt"
+    # which group runs next: the one whose next request finishes soonest, but a group that
+    # waited this × (other runnable groups) batches goes first; 0: round robin
+    group_aging: float = 2.0
     max_groups: int = 8  # live slot groups (one per latent shape); idle ones are evicted beyond it
     bypass_limit: int = 8  # later requests that may pass one waiting for memory before it blocks
     # srpt: work admitted while a request waits, at most this × (work queued ahead of it + its own)
@@ -60,8 +63,8 @@ class CoreConfig:
             self.decode_buffers = 2 * self.slots
         if self.slots < 1 or self.max_queue < 0 or self.decode_buffers < 1 or self.max_steps < 1 \
                 or self.embedding_cache_entries < 1 or self.max_groups < 1 or self.max_input_bytes < 1 \
-                or self.srpt_aging < 0 or self.priority_aging < 0 or self.preempt_min_steps < 0 \
+                or self.srpt_aging < 0 or self.group_aging < 0 or self.priority_aging < 0 or self.preempt_min_steps < 0 \
                 or self.max_preemptions < 0:
             raise ValueError("slots, decode_buffers, max_steps, embedding_cache_entries, max_groups and "
-                             "max_input_bytes must be positive; max_queue, srpt_aging, priority_aging, preempt_min_steps and "
+                             "max_input_bytes must be positive; max_queue, srpt_aging, group_aging, priority_aging, preempt_min_steps and "
                              "max_preemptions non-negative")

@@ -5,8 +5,9 @@ request's state, and it talks to the runner only in data (`engine.core.schedulin
 boundary `admit` places queued requests into free slots of their group when everything
 they will hold fits, and returns an `AdmissionPlan` (placements, new and evicted groups,
 slots freed since the last plan); `next_step` returns the `StepPlan` of the group whose
-batch runs next (the runnable group served longest ago); `update_from_output` applies the
-runner's `StepOutcome` (steps advanced, rows failed, the row limit after an out-of-memory).
+batch runs next (shortest remaining first across groups, aged so none starves);
+`update_from_output` applies the runner's `StepOutcome` (steps advanced, rows failed, the
+row limit after an out-of-memory).
 The reaper reports fences back through `release_slot`, `denoised` and `end`; every method
 that ends a request returns its output message rather than keeping a list.
 
@@ -324,6 +325,7 @@ class Scheduler:
             self.counters["groups_evicted"] += 1
             log.debug("idle group %s evicted", victim.key)
         group = self.groups[key] = SlotMap(key, request.latent_shape, self.config.slots)
+        group.last_served = self.batches  # its wait counts from its creation
         plan.new_groups.append((key, request.latent_shape))
         return group
 
@@ -356,17 +358,36 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------
 
     def next_step(self) -> StepPlan | None:
-        """Fair across groups: the runnable group served longest ago runs next."""
+        """The group whose batch runs next: a group due by its wait first (longest waiting
+        first), then the highest priority, then the group whose soonest-finishing request
+        finishes soonest (see `_group_order`)."""
         runnable = [g for g in self.groups.values() if g.runnable.any()]
         if not runnable:
             return None
-        group = min(runnable, key=lambda g: g.last_served)
+        due = self.config.group_aging * (len(runnable) - 1)
+        group = min(runnable, key=lambda g: self._group_order(g, due))
         for g in runnable:
             if g is not group:
-                self.group_wait_max = max(self.group_wait_max, self.batches - g.last_served)
+                self.group_wait_max = max(self.group_wait_max, self.batches + 1 - g.last_served)
         slots = np.flatnonzero(group.runnable)
         return StepPlan(group.key, slots, group.step_index[slots].copy(), [group.requests[s] for s in slots],
                         group.slots, self.row_limit)
+
+    def _group_order(self, group: SlotMap, due: float) -> tuple:
+        """Shortest remaining first across groups, aged. A group's cost to its next finished
+        request is the fewest steps any of its rows has left × what one of its calls computes
+        (rows × latent elements: a proxy the scheduler knows without a model). A group that
+        waited `due` = `group_aging` × (other runnable groups) batches goes first, so no group
+        waits more than about (`group_aging` + 1) × (other runnable groups) batches, and a
+        group_aging of 0 is plain round robin."""
+        waited = self.batches - group.last_served
+        if waited >= due:
+            return (0, -waited)
+        slots = np.flatnonzero(group.runnable)
+        requests = [group.requests[s] for s in slots]
+        steps_left = int(min(r.total_steps - int(group.step_index[s]) for r, s in zip(requests, slots)))
+        per_call = sum(r.rows_per_step for r in requests) * int(np.prod(group.latent_shape))
+        return (1, -max(r.priority for r in requests), steps_left * per_call, group.last_served)
 
     def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int, Request, bool]]:
         """Apply what the runner did: its failed rows fail their requests; every launched

@@ -20,7 +20,7 @@ class SlotMap:
         self.runnable = np.zeros(slots, dtype=bool)  # gets a row in the next batch
         self.step_index = np.zeros(slots, dtype=np.int64)  # steps launched: the one place a slot's step lives
         self.last_fence: list = [None] * slots  # fence of the last launch that touched the slot
-        self.last_served = -1  # batch counter of its last batch, for fairness
+        self.last_served = 0  # batch counter at its last batch (or its creation), for fairness
 
     @property
     def busy(self) -> np.ndarray:
