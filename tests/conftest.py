@@ -92,6 +92,7 @@ CONCERNS = {
     "tests/test_solvers.py": ("core",),
     # models: model folders and adapters against diffusers' own pipelines
     "tests/test_controlnet.py": ("models", "processes", "http"),
+    "tests/test_controlnet_sd3.py": ("models",),
     "tests/test_image_inputs.py": ("models",),
     "tests/test_image_limits.py": ("models",),
     "tests/test_ip_adapter.py": ("models",),

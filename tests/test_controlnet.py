@@ -1,8 +1,9 @@
 """ControlNet per request, in the shared batch: a request alone against diffusers' own
 `StableDiffusionControlNetPipeline` / `StableDiffusionXLControlNetPipeline` (one
-ControlNet, a multi-ControlNet list, a start/end window, guess mode) and
-`StableDiffusionControlNetImg2ImgPipeline`; one shared batch of plain rows, ControlNet A,
-A+B at two scales, a window, guess mode and img2img rows with late joins and cancels; each
+ControlNet, a multi-ControlNet list, a start/end window, guess mode, a ControlNet that
+pools its residuals) and `StableDiffusionControlNetImg2ImgPipeline`; one shared batch of
+plain rows, ControlNet A, A+B at two scales, a window, guess mode and img2img rows with late
+joins and cancels, another with the pooling ControlNet's rows; each
 ControlNet run only on the rows that use it at their step; controls parked and resumed
 with their slot; every bad control rejected naming `controls`; a ControlNet that does not
 fit the served UNet refused at start. Tiny random ControlNets built as diffusers' tests
@@ -41,7 +42,10 @@ def folders(tmp_path_factory):
     sd, sdxl = build_sd(root / "sd", seed=31), build_sdxl(root / "sdxl", seed=32)
     flux = build_flux(root / "flux", guidance_embeds=True, seed=33)
     return {"sd": sd, "sdxl": sdxl, "flux": flux,
-            "sd-nets": {"a": build_controlnet(root / "sd-a", sd, seed=1), "b": build_controlnet(root / "sd-b", sd, seed=2)},
+            "sd-nets": {"a": build_controlnet(root / "sd-a", sd, seed=1),
+                        "b": build_controlnet(root / "sd-b", sd, seed=2),
+                        # a shuffle-style ControlNet: mean-pooled residuals, its pipelines in guess mode
+                        "s": build_controlnet(root / "sd-s", sd, seed=6, global_pool_conditions=True)},
             "sdxl-nets": {"a": build_controlnet(root / "sdxl-a", sdxl, seed=3)},
             "flux-nets": {"a": build_controlnet(root / "flux-a", flux, seed=4),
                           "b": build_controlnet(root / "flux-b", flux, seed=5)}}
@@ -195,7 +199,8 @@ def request(rng: random.Random, controls=(), **fields) -> GenerateParams:
 ALONE = [
     ("sd", "single", "default"), ("sd", "single", "dpmpp_2m"), ("sd", "multi", "default"),
     ("sd", "window", "euler_ancestral"), ("sd", "guess", "default"), ("sd", "guess-one-row", "default"),
-    ("sd", "resized", "default"), ("sdxl", "single", "default"), ("sdxl", "guess", "default"),
+    ("sd", "resized", "default"), ("sd", "pooled", "default"), ("sd", "pooled-twice", "default"),
+    ("sd", "pooled-second", "dpmpp_2m"), ("sdxl", "single", "default"), ("sdxl", "guess", "default"),
     ("flux", "single", "default"), ("flux", "multi", "flow_euler"), ("flux", "window", "default"),
     ("flux", "true-cfg", "default"),
 ]
@@ -215,6 +220,10 @@ def test_request_alone_equals_the_controlnet_pipeline(folders, name, case, sampl
     elif case.startswith("guess"):
         controls = [a]
         fields.update(guess_mode=True, guidance=1.0 if case == "guess-one-row" else 3.5)
+    elif case.startswith("pooled"):  # a global-pool ControlNet: alone, twice or second (no guess mode then)
+        pooled = Control("s", control_image(rng), scale=1.3)
+        controls = {"pooled": [pooled], "pooled-twice": [pooled, Control("s", control_image(rng), scale=0.7)],
+                    "pooled-second": [a, pooled]}[case]
     elif case == "resized":  # a control image of another size, resized to the output's
         controls = [Control("a", control_image(rng, 20, 12), scale=0.9)]
         fields.update(height=16, width=24)
@@ -391,16 +400,52 @@ def test_flux_plain_controlled_windowed_and_true_cfg_rows_share_batches(folders)
         assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
 
 
+@pytest.mark.timeout(300)
+def test_pooled_controlnet_rows_share_batches_with_plain_rows(folders):
+    """A shuffle-style ControlNet (`global_pool_conditions`: mean-pooled residuals, which
+    put its request in guess mode) beside plain rows, a ControlNet A row and A with the
+    pooled one after it, joining late, one pooled request canceled, free slots poisoned
+    before every step: each request equals its pipeline."""
+    from test_core import poison_free_slots
+
+    model = served(folders, "sd")
+    rng = random.Random("pooled-shared")
+    cases = {"plain": request(rng, steps=6, guidance=3.5),
+             "pooled": request(rng, [Control("s", control_image(rng), scale=1.2)], steps=6, guidance=3.5),
+             "a": request(rng, [Control("a", control_image(rng), scale=0.9)], steps=5, guidance=3.5),
+             "pooled-one-row": request(rng, [Control("s", control_image(rng))], steps=5, guidance=1.0),
+             "a-then-pooled": request(rng, [Control("a", control_image(rng)), Control("s", control_image(rng),
+                                                                                       scale=0.8)],
+                                      steps=6, guidance=3.5, sampler="dpmpp_2m")}
+    victim = request(rng, [Control("s", control_image(rng))], steps=20, guidance=3.5)
+    items = list(cases.items())
+    arrivals = {0: items[:2] + [("v", victim)], 2: items[2:4], 3: items[4:]}
+    core = EngineCore(model, CoreConfig(slots=4, max_queue=16))
+    counter = RowCounter(model)
+    try:
+        d = run_to_end(core, arrivals=arrivals, cancels={4: ["v"]}, before_step=lambda d: poison_free_slots(d.core))
+    finally:
+        counter.restore(model)
+    assert set(d.results) == set(cases) and set(d.canceled) == {"v"}, d.failed
+    assert counter.calls["s"]
+    for rid, p in cases.items():
+        err = rel_l2(d.results[rid], oracle(folders, "sd", p))
+        print(f"pooled shared {rid}: relative L2 {err:.2e}")
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
+
+
 @pytest.mark.timeout(120)
 def test_each_controlnet_runs_only_on_its_rows_in_their_window(folders):
-    """Three requests in one call: plain, A (two rows), A+B windowed to the first half
-    (two rows, guess mode: one row each); the ControlNets' row counts per step say who ran."""
+    """Four requests in one call: plain, A (two rows), A+B windowed to the first half
+    (two rows, guess mode: one row each), the pooling ControlNet S (two rows, guess mode as
+    its pipeline: one row); the ControlNets' row counts per step say who ran."""
     model = served(folders, "sd")
     rng = random.Random("rows")
     cases = {"plain": request(rng, steps=4, guidance=3.5),
              "a": request(rng, [Control("a", control_image(rng))], steps=4, guidance=3.5),
              "ab": request(rng, [Control("a", control_image(rng)), Control("b", control_image(rng), end=0.5)],
-                           steps=4, guidance=3.5, guess_mode=True)}
+                           steps=4, guidance=3.5, guess_mode=True),
+             "s": request(rng, [Control("s", control_image(rng))], steps=4, guidance=3.5)}
     counter = RowCounter(model)
     try:
         d = run_to_end(EngineCore(model, CoreConfig(slots=4)), cases)
@@ -409,6 +454,7 @@ def test_each_controlnet_runs_only_on_its_rows_in_their_window(folders):
     assert set(d.finished) == set(cases)
     assert counter.calls["a"] == [3] * 4  # a's two rows and ab's prompt row, every step
     assert counter.calls["b"] == [1] * 2  # ab's prompt row, the first half of its steps
+    assert counter.calls["s"] == [1] * 4  # s's prompt row: pooled residuals put it in guess mode
 
 
 @pytest.mark.timeout(300)
@@ -493,6 +539,8 @@ def test_bad_controls_are_rejected_naming_the_field(folders):
         "window past the end": [Control("a", image, end=1.5)],
         "negative start": [Control("a", image, start=-0.1)],
         "too many": [Control("a", image)] * 9,
+        # diffusers' multi-ControlNet adds the others into the first's residuals in place: 1 × 1 ones first fail
+        "a pooled one before a full one": [Control("s", image), Control("a", image)],
     }
     for why, controls in bad.items():
         with pytest.raises(RequestRejected) as info:

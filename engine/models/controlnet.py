@@ -1,5 +1,6 @@
 """Per-row ControlNet inside one denoiser call: SD 1.x/2.x and SDXL
-(`StableDiffusionControlNetPipeline`, `StableDiffusionXLControlNetPipeline`).
+(`StableDiffusionControlNetPipeline`, `StableDiffusionXLControlNetPipeline`), FLUX and SD3
+(below).
 
 The ControlNets are named at start (`--controlnet NAME=PATH`: a diffusers
 `ControlNetModel` folder) and checked against the served UNet. A request names any
@@ -23,13 +24,23 @@ What the pipeline decides per step, decided here per row at its own step:
   are multiplied by the very float32 factors the ControlNet's forward would use (the
   scale, or in guess mode `logspace(-1, 0, blocks + 1) · scale` per block);
 - guess mode: with classifier-free guidance only the prompt's row gets the ControlNet
-  (the negative prompt's row gets zero residuals, the pipeline's `torch.cat([zeros, d])`).
+  (the negative prompt's row gets zero residuals, the pipeline's `torch.cat([zeros, d])`);
+  a request whose first ControlNet pools its residuals (`global_pool_conditions`, the
+  shuffle-style ones: 1 × 1 residuals the UNet broadcasts) runs in guess mode, as the
+  pipeline's `guess_mode or global_pool_conditions`, with the plain scale for that one.
 
 FLUX (`FluxControlNetPipeline`, a `FluxControlNetModel`): the control image is
 VAE-encoded (sampled from the request's own generator before its initial noise, as the
 pipeline draws) and packed; the ControlNet runs on the prompt's row only and its residuals
 (`controlnet_block_samples`, `controlnet_single_block_samples`) go to both rows of a
 true-CFG request, as the pipeline passes the same ones to its negative call.
+
+SD3 (`StableDiffusion3ControlNetPipeline`, an `SD3ControlNetModel`): the control image is
+VAE-encoded once per row of the request's call (both rows with classifier-free guidance,
+each its own sample of one draw: the pipeline encodes `torch.cat([image] * 2)`), and the
+ControlNet runs on both rows, its `controlnet_block_samples` given to the transformer as
+`block_controlnet_hidden_states`. The pipeline draws those samples from torch's global
+generator; the engine from one seeded with the request's seed (`control_generator`).
 """
 from __future__ import annotations
 
@@ -52,6 +63,7 @@ CONTROLNET_CLASSES = {
                                  "addition_embed_type", "down_block_types")),
     "FluxControlNetModel": ("transformer", ("in_channels", "joint_attention_dim", "pooled_projection_dim",
                                             "guidance_embeds", "axes_dims_rope")),
+    "SD3ControlNetModel": ("transformer", ("in_channels", "patch_size", "pooled_projection_dim")),
 }
 
 
@@ -64,17 +76,37 @@ def check_controlnet(controlnet, model) -> str | None:
     denoiser = getattr(pipe, denoiser_name, None) if denoiser_name else None
     if denoiser is None or getattr(model, "controlnet_class", None) != kind:
         return (f"a {kind} does not serve {model.pipeline_class or 'this model'} (SD 1.x/2.x and SDXL take a "
-                "ControlNetModel, FLUX a FluxControlNetModel)")
+                "ControlNetModel, FLUX a FluxControlNetModel, SD3 an SD3ControlNetModel)")
     if kind == "FluxControlNetModel":
         if controlnet.union or controlnet.input_hint_block is not None:
             return "union and XLabs FLUX ControlNets are not served (an InstantX-style FluxControlNetModel is)"
         inner = controlnet.config.num_attention_heads * controlnet.config.attention_head_dim
         if inner != denoiser.config.num_attention_heads * denoiser.config.attention_head_dim:
             return f"its width {inner} is not the served transformer's"
+    if kind == "SD3ControlNetModel":
+        why = _check_sd3_controlnet(controlnet.config, denoiser.config)
+        if why:
+            return why
     theirs, ours = controlnet.config, denoiser.config
     for key in keys:
         if tuple(np.atleast_1d(theirs.get(key) or ())) != tuple(np.atleast_1d(ours.get(key) or ())):
             return f"its {key} {theirs.get(key)!r} is not the served {denoiser_name}'s {ours.get(key)!r}"
+    return None
+
+
+def _check_sd3_controlnet(theirs, ours) -> str | None:
+    if theirs.extra_conditioning_channels:
+        return ("an inpainting SD3 ControlNet (extra_conditioning_channels) is not served "
+                "(StableDiffusion3ControlNetPipeline's ControlNets are)")
+    inner = theirs.num_attention_heads * theirs.attention_head_dim
+    if inner != ours.num_attention_heads * ours.attention_head_dim:
+        return f"its width {inner} is not the served transformer's"
+    if theirs.joint_attention_dim is not None and theirs.joint_attention_dim != ours.joint_attention_dim:
+        return f"its joint_attention_dim {theirs.joint_attention_dim} is not the served transformer's"
+    if (theirs.use_pos_embed and theirs.pos_embed_max_size and ours.pos_embed_max_size
+            and theirs.pos_embed_max_size < ours.pos_embed_max_size):
+        return (f"its positional embedding ({theirs.pos_embed_max_size} patches a side) covers less than the "
+                f"served transformer's ({ours.pos_embed_max_size})")
     return None
 
 
@@ -94,6 +126,9 @@ def load_controlnet(model, path) -> torch.nn.Module:
     why = check_controlnet(controlnet, model)
     if why:
         raise ValueError(f"{path}: {why}")
+    if kind == "SD3ControlNetModel" and controlnet.config.use_pos_embed is False:
+        # SD3.5's ControlNets take the transformer's positional embedding, as the pipeline gives it them
+        controlnet.pos_embed = controlnet._get_pos_embed_from_transformer(model.pipe.transformer)
     return controlnet.to(model.device, model.dtype).eval().requires_grad_(False)
 
 
@@ -105,24 +140,67 @@ def attach_controlnets(model, paths: dict[str, str | pathlib.Path]) -> dict:
     shapes = {residual_layout(net) for net in controlnets.values()}
     if len(shapes) > 1:  # several on one request are summed residual by residual
         raise ValueError(f"the ControlNets give different residual layouts ({sorted(shapes)}): they cannot be summed")
+    settings = {name: multi_settings(net) for name, net in controlnets.items()}
+    if len(set(settings.values())) > 1:
+        raise ValueError("the SD3 ControlNets differ in force_zeros_for_pooled_projection or in taking the prompt "
+                         f"(joint_attention_dim) ({settings}): diffusers' multi-ControlNet runs them all as its "
+                         "first, so they cannot be summed")
     model.controlnets = controlnets
     return controlnets
 
 
 def residual_layout(controlnet) -> tuple[int, ...]:
     """How many residuals of each kind the ControlNet gives: (down blocks + mid) for a
-    UNet ControlNet, (double blocks, single blocks) for FLUX's."""
+    UNet ControlNet, (double blocks, single blocks) for FLUX's, (blocks,) for SD3's."""
     if hasattr(controlnet, "controlnet_single_blocks"):
         return len(controlnet.controlnet_blocks), len(controlnet.controlnet_single_blocks)
-    return (len(controlnet.controlnet_down_blocks) + 1,)
+    if hasattr(controlnet, "controlnet_down_blocks"):
+        return (len(controlnet.controlnet_down_blocks) + 1,)
+    return (len(controlnet.controlnet_blocks),)
+
+
+def multi_settings(controlnet) -> tuple:
+    """What SD3's multi-ControlNet pipeline reads from its first ControlNet and applies to
+    all (zero pooled projections and unshifted control latents; the prompt given to them
+    or not): ControlNets summed on one request must agree on it."""
+    if type(controlnet).__name__ != "SD3ControlNetModel":
+        return ()
+    config = controlnet.config
+    return bool(config.force_zeros_for_pooled_projection), config.joint_attention_dim is not None
+
+
+def pools_conditions(controlnet) -> bool:
+    """Whether the ControlNet's forward mean-pools its residuals (`global_pool_conditions`:
+    the shuffle-style ControlNets)."""
+    return bool(getattr(controlnet.config, "global_pool_conditions", False))
+
+
+def request_guess_mode(guess_mode: bool, controlnets: list) -> bool:
+    """The guess mode the SD/SDXL pipelines run a request in: asked for, or implied by its
+    first ControlNet pooling its residuals (`guess_mode or global_pool_conditions`, read
+    from the multi-ControlNet's first)."""
+    return bool(guess_mode) or pools_conditions(controlnets[0])
+
+
+def check_pooling_order(controlnets: list) -> str | None:
+    """Why a request's ControlNets (in its order) cannot be summed as the multi-ControlNet
+    sums them, or None: it adds each one's residuals into the first's in place, so a
+    pooling ControlNet's 1 × 1 residuals cannot come before full-sized ones."""
+    pooled = [pools_conditions(net) for net in controlnets]
+    if pooled[0] and not all(pooled):
+        k = pooled.index(False)
+        return (f"{k}: a ControlNet that pools its residuals (global_pool_conditions) is first, this one does not "
+                "pool: diffusers' multi-ControlNet cannot sum them in this order (put the pooling one after)")
+    return None
 
 
 def control_factors(scale: float, guess_mode: bool, controlnet) -> torch.Tensor:
     """The float32 factors the ControlNet's forward scales each of its residuals by,
     computed as it computes them: the scale, or in guess mode one per down residual and the
-    mid residual's last (`logspace(-1, 0, blocks + 1) · scale`)."""
+    mid residual's last (`logspace(-1, 0, blocks + 1) · scale`) — except for a ControlNet
+    that pools its residuals, which keeps the plain scale in guess mode too."""
     count = sum(residual_layout(controlnet))
-    if guess_mode:
+    if guess_mode and not pools_conditions(controlnet):
         return torch.logspace(-1, 0, count) * scale
     return torch.full((count,), scale, dtype=torch.float32)
 
@@ -130,8 +208,8 @@ def control_factors(scale: float, guess_mode: bool, controlnet) -> torch.Tensor:
 @dataclasses.dataclass
 class ControlEntry:
     """One control of one request, prepared: which ControlNet, its image as the ControlNet
-    takes it (1 × 3 × H × W in its dtype), per step whether it applies (`keep`), and its
-    per-block factors."""
+    takes it (1 × 3 × H × W in its dtype; FLUX's and SD3's control latents, SD3's one per
+    row), per step whether it applies (`keep`), and its per-block factors."""
 
     name: str
     image: torch.Tensor
@@ -140,6 +218,13 @@ class ControlEntry:
 
     def moved(self, move) -> "ControlEntry":
         return dataclasses.replace(self, image=move(self.image))
+
+    def image_of(self, negative: bool) -> torch.Tensor:
+        """Its control image for one row: the same for every row, or one per row of its
+        request's call (SD3's control latents: the negative prompt's first)."""
+        if self.image.shape[0] == 1:
+            return self.image
+        return self.image[:1] if negative else self.image[1:2]
 
 
 @dataclasses.dataclass
@@ -223,14 +308,17 @@ class ControlCall:
             scaled = [(r.float() * factors[:, k].view(-1, *([1] * (r.dim() - 1)))).to(r.dtype)
                       for k, r in enumerate(produced)]
             outputs.append((scaled, by_position))
-        first = outputs[0][0]
-        total = [torch.zeros((n, *r.shape[1:]), dtype=r.dtype, device=r.device) for r in first]
+        # a pooling ControlNet's residuals are 1 × 1: the denoiser broadcasts them, as a
+        # multi-ControlNet's sum does beside a full-sized one
+        shapes = [torch.broadcast_shapes(*(scaled[k].shape[1:] for scaled, _ in outputs))
+                  for k in range(len(outputs[0][0]))]
+        total = [torch.zeros((n, *shape), dtype=r.dtype, device=r.device) for shape, r in zip(shapes, outputs[0][0])]
         for p in sorted({p for _, by_position in outputs for p, _, _ in by_position}):
             for scaled, by_position in outputs:  # within a position every row appears once: one add each
                 for q, picked, rows in by_position:
                     if q == p:
                         for acc, r in zip(total, scaled):
-                            acc.index_add_(0, rows, r.index_select(0, picked))
+                            acc.index_add_(0, rows, r.index_select(0, picked).expand(-1, *acc.shape[1:]))
         return total
 
 

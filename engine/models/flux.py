@@ -149,9 +149,10 @@ class FluxModel(_PipelineModel):
     def control_image_size(self, image) -> tuple[int | None, int | None]:
         return None, None  # the pipeline's default size, the control image resized to it
 
-    def prepare_control_image(self, image, height: int, width: int, generator, controlnet) -> torch.Tensor:
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet,
+                              rows: int = 1) -> torch.Tensor:
         """The pipeline's control latents: the image preprocessed, VAE-encoded, sampled from
-        the request's generator, shifted, scaled and packed."""
+        the request's generator, shifted, scaled and packed (one for all rows)."""
         from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
 
         pixels = self.image_pipeline("image").image_processor.preprocess(image, height=height, width=width)

@@ -688,6 +688,11 @@ class _PipelineModel(DiffusionModel):
         self.scheduler_config = dict(pipe.scheduler.config)
         self.scheduler_config["_class_name"] = type(pipe.scheduler).__name__
 
+    def control_generator(self, generator: torch.Generator) -> torch.Generator:
+        """The generator a request's control images are sampled from where the pipeline
+        VAE-encodes them (FLUX): the request's own, drawn before its initial noise."""
+        return generator
+
     def _encode_texts(self, prompts: list[str]) -> list[Conditioning]:
         """Models that take a None prompt (zero rows): the encoder pass over the texts."""
         raise NotImplementedError
@@ -759,8 +764,10 @@ class StableDiffusionModel(_PipelineModel):
         """The output size a control image implies where none is given: its own, rounded."""
         return self.control_image_processor.get_default_height_width(image, None, None)
 
-    def prepare_control_image(self, image, height: int, width: int, generator, controlnet) -> torch.Tensor:
-        """The control image as the pipeline's `prepare_image` gives it to the ControlNet."""
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet,
+                              rows: int = 1) -> torch.Tensor:
+        """The control image as the pipeline's `prepare_image` gives it to the ControlNet
+        (one for every row of the request's call)."""
         pixels = self.control_image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
         return pixels.to(self.device, controlnet.dtype)
 
@@ -820,9 +827,64 @@ class StableDiffusion3Model(_PipelineModel):
         return [Conditioning(e, p) for e, p in zip(embeds, pooled)]
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        residuals = {} if inputs.controls is None else self._control_residuals(inputs)
         return self.pipe.transformer(hidden_states=inputs.sample, timestep=inputs.timestep,
                                      encoder_hidden_states=inputs.hidden, pooled_projections=inputs.pooled,
-                                     return_dict=False)[0]
+                                     return_dict=False, **residuals)[0]
+
+    # ---- ControlNets (engine.models.controlnet): StableDiffusion3ControlNetPipeline's ----
+
+    controlnets: dict = {}
+    controlnet_class = "SD3ControlNetModel"
+    controls_on_prompt_row = False  # the pipeline runs its ControlNet on both rows of a guided call
+    takes_guess_mode = False
+    # the SD3 ControlNet inpainting pipeline takes another kind of ControlNet input; there is no img2img one
+    takes_controls_with_image = False
+
+    def control_image_size(self, image) -> tuple[int | None, int | None]:
+        return None, None  # the pipeline's default size, the control image resized to it
+
+    def control_generator(self, generator: torch.Generator) -> torch.Generator:
+        """The pipeline samples its control latents from torch's global generator (it passes
+        none to `latent_dist.sample`): the engine draws them from a fresh generator seeded
+        with the request's seed, what the pipeline draws on the CPU after
+        `torch.manual_seed(seed)` (on the CPU on every device, as all the engine's draws);
+        the request's own noise stream is left as the pipeline leaves its generator."""
+        return torch.Generator("cpu").manual_seed(generator.initial_seed())
+
+    def prepare_control_image(self, image, height: int, width: int, generator, controlnet,
+                              rows: int = 1) -> torch.Tensor:
+        """The pipeline's control latents, one per row of the request's call (`rows`: 2 with
+        classifier-free guidance, the negative prompt's first): the image preprocessed in
+        the transformer's dtype, repeated per row, VAE-encoded and sampled in one draw,
+        shifted (not for an InstantX-style ControlNet, `force_zeros_for_pooled_projection`)
+        and scaled."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        pixels = self.pipe.image_processor.preprocess(image, height=height, width=width)
+        moments = self.encode_image_moments([pixels.to(self.device, self.denoiser.dtype)])[0]
+        latents = DiagonalGaussianDistribution(moments.latent_dist.parameters.repeat(rows, 1, 1, 1)).sample(generator)
+        config = self.vae.config
+        shift = 0 if controlnet.config.force_zeros_for_pooled_projection else config.shift_factor
+        return ((latents - shift) * config.scaling_factor).to(controlnet.dtype)
+
+    def _control_residuals(self, inputs: ModelInputs) -> dict:
+        """`block_controlnet_hidden_states` for every row of the call, each ControlNet run
+        as the pipeline runs it: on the rows' latents, timesteps and prompts (none for a
+        ControlNet without text input), and zeros for the pooled projection where its
+        config says so."""
+        def run(net, rows, images):
+            config = net.config
+            pooled = inputs.pooled.index_select(0, rows)
+            samples = net(hidden_states=inputs.sample.index_select(0, rows), controlnet_cond=images,
+                          conditioning_scale=1.0, timestep=inputs.timestep.index_select(0, rows),
+                          encoder_hidden_states=(inputs.hidden.index_select(0, rows)
+                                                 if config.joint_attention_dim is not None else None),
+                          pooled_projections=torch.zeros_like(pooled) if config.force_zeros_for_pooled_projection
+                          else pooled, return_dict=False)[0]
+            return list(samples)
+
+        return {"block_controlnet_hidden_states": inputs.controls.summed(run, inputs.sample.shape[0])}
 
 
 _PIPELINES = {

@@ -504,26 +504,38 @@ __all__ = ["VOCAB", "SD_SCHEDULERS", "TEST_CONDITIONS", "SCHEDULER_CONFIGS", "SD
            "build_flux"]
 
 
-def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3) -> pathlib.Path:
-    """Write a tiny `ControlNetModel` folder for the SD or SDXL folder `base` and return its path.
+def build_controlnet(folder, base, *, seed: int = 0, gain: float = 0.3, global_pool_conditions: bool = False,
+                     **options) -> pathlib.Path:
+    """Write a tiny ControlNet folder for the pipeline folder `base` and return its path:
+    a `ControlNetModel` for SD or SDXL, a `FluxControlNetModel` for FLUX, an
+    `SD3ControlNetModel` for SD3 (`options`: `_build_sd3_controlnet`'s).
 
     Built as diffusers' own tests build theirs: `ControlNetModel.from_unet` on the base's
     UNet (its down and mid blocks' weights), the conditioning embedding downsampling as
     many times as the VAE (`vae_scale_factor`: one stride-2 block per halving), and the
     zero-initialised convolutions (the residual projections, the embedding's last conv)
     given random weights (normal × `gain`, seeded), so that the control changes the output.
+    `global_pool_conditions`: the shuffle-style ControlNet, whose forward mean-pools its
+    residuals (and whose pipelines then run in guess mode).
     """
     from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel
 
     folder, base = pathlib.Path(folder), pathlib.Path(base)
-    if json.loads((base / "model_index.json").read_text())["_class_name"] == "FluxPipeline":
+    kind = json.loads((base / "model_index.json").read_text())["_class_name"]
+    if kind == "FluxPipeline":
         return _build_flux_controlnet(folder, base, seed=seed, gain=gain)
+    if kind == "StableDiffusion3Pipeline":
+        return _build_sd3_controlnet(folder, base, seed=seed, gain=gain, **options)
+    if options:
+        raise TypeError(f"a ControlNetModel takes no {', '.join(options)}")
     unet = UNet2DConditionModel.from_pretrained(base / "unet", low_cpu_mem_usage=False)
     vae = AutoencoderKL.from_pretrained(base / "vae", low_cpu_mem_usage=False)
     halvings = len(vae.config.block_out_channels) - 1
     channels = tuple(16 * 2 ** k for k in range(halvings + 1))
     torch.manual_seed(seed)
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=channels).eval()
+    if global_pool_conditions:
+        controlnet.register_to_config(global_pool_conditions=True)
     generator = torch.Generator().manual_seed(seed)
     zeroed = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
               controlnet.controlnet_cond_embedding.conv_out]
@@ -598,5 +610,37 @@ def _build_flux_controlnet(folder: pathlib.Path, base: pathlib.Path, *, seed: in
             linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * gain
                                 / linear.weight.shape[1] ** 0.5)
             linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator) * gain * 0.1)
+    controlnet.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _build_sd3_controlnet(folder: pathlib.Path, base: pathlib.Path, *, seed: int, gain: float, num_layers: int = 1,
+                          force_zeros_for_pooled_projection: bool = True, takes_prompt: bool = True) -> pathlib.Path:
+    """An `SD3ControlNetModel` as diffusers' tests build theirs: the base transformer's
+    config with `num_layers` (1) blocks, random weights, its zero-initialised layers (the
+    per-block projections, the control latents' patch embedding) given random ones.
+    `force_zeros_for_pooled_projection`: InstantX's (zeros for the pooled projection,
+    unshifted control latents); without it and without `takes_prompt` it is laid out as
+    SD3.5's own ControlNets (no text input, the transformer's positional embedding)."""
+    from diffusers import SD3ControlNetModel, SD3Transformer2DModel
+
+    config = SD3Transformer2DModel.load_config(base / "transformer")
+    torch.manual_seed(seed)
+    controlnet = SD3ControlNetModel(
+        sample_size=config["sample_size"], patch_size=config["patch_size"], in_channels=config["in_channels"],
+        num_layers=num_layers, attention_head_dim=config["attention_head_dim"],
+        num_attention_heads=config["num_attention_heads"],
+        joint_attention_dim=config["joint_attention_dim"] if takes_prompt else None,
+        caption_projection_dim=config["caption_projection_dim"], pooled_projection_dim=config["pooled_projection_dim"],
+        out_channels=config["out_channels"], pos_embed_max_size=config["pos_embed_max_size"],
+        use_pos_embed=takes_prompt, force_zeros_for_pooled_projection=force_zeros_for_pooled_projection,
+    ).eval()
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj]
+    with torch.no_grad():
+        for layer in zeroed:
+            fan_in = layer.weight[0].numel()
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) * gain / fan_in ** 0.5)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * gain * 0.1)
     controlnet.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -10,10 +10,11 @@ the pipeline takes it.
 
 At admission (`ControlsKind.prepare`, a batched phase beside the prompt encode): each
 control image is prepared as the pipeline's `prepare_image` does (its control image
-processor: resized to the output size, RGB, [0, 1]), in the ControlNet's dtype on the
-device, and each control's per-step window (`controlnet_keep`) and per-block factors are
-fixed. The slot state (`ControlSlots`) holds them; each step it gathers the call's
-`engine.models.controlnet.ControlCall` for the rows at their own steps.
+processor: resized to the output size, RGB, [0, 1]; FLUX's and SD3's then VAE-encoded), in
+the ControlNet's dtype on the device, and each control's per-step window
+(`controlnet_keep`) and per-block factors are fixed. The slot state (`ControlSlots`)
+holds them; each step it gathers the call's `engine.models.controlnet.ControlCall` for the
+rows at their own steps.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class ControlsKind(InputKind):
         return getattr(self.model, "controlnets", None) or {}
 
     def check(self, p) -> ControlInputs | None:
-        from engine.models.controlnet import MAX_CONTROLS
+        from engine.models.controlnet import MAX_CONTROLS, check_pooling_order
 
         controls = p.controls
         if not controls:
@@ -102,6 +103,9 @@ class ControlsKind(InputKind):
             scales.append(float(scale))
             windows.append((float(start), float(end)))
             size += memoryview(control.image).nbytes
+        why = check_pooling_order([served[name] for name in names])
+        if why:
+            raise RequestRejected(why, FIELD)
         return ControlInputs(images, names, scales, windows, bool(p.guess_mode), size)
 
     def header_size(self, params) -> tuple[int, int] | None:
@@ -118,14 +122,19 @@ class ControlsKind(InputKind):
 
     def nbytes(self, value: ControlInputs, latent_shape: tuple[int, ...]) -> int:
         """The encoded images until prepared, and each prepared control image (3 × H × W
-        in the ControlNet's dtype) while the slot holds it."""
+        in the ControlNet's dtype, or SD3's two rows of latents) while the slot holds it."""
         return value.input_bytes + self._prepared_bytes(value, latent_shape)
 
     def _prepared_bytes(self, value: ControlInputs, latent_shape) -> int:
-        _, h, w = latent_shape
+        return len(value.images) * self._image_bytes(latent_shape)
+
+    def _image_bytes(self, latent_shape) -> int:
+        """One prepared control at most: an image (3 × H × W) or two rows of control
+        latents (SD3's, C × h × w each), in the model's dtype."""
+        c, h, w = latent_shape
         scale = self.geometry.vae_scale
         item = torch.empty((), dtype=self.model.dtype).element_size()
-        return len(value.images) * 3 * (h * scale) * (w * scale) * item
+        return max(3 * (h * scale) * (w * scale), 2 * c * h * w) * item
 
     def headroom(self, latent_shape: tuple[int, ...], slots: int) -> int:
         """Room for one prepared control image per slot and one native image's encoded bytes
@@ -134,14 +143,13 @@ class ControlsKind(InputKind):
             return 0
         _, h, w = latent_shape
         scale = self.geometry.vae_scale
-        item = torch.empty((), dtype=self.model.dtype).element_size()
-        return slots * 3 * (h * scale) * (w * scale) * item + 4 * (h * scale) * (w * scale)
+        return slots * self._image_bytes(latent_shape) + 4 * (h * scale) * (w * scale)
 
     def spent(self, value: ControlInputs) -> int:
         return value.input_bytes
 
     def prepare(self, requests: list) -> dict:
-        from engine.models.controlnet import ControlEntry, control_factors
+        from engine.models.controlnet import ControlEntry, control_factors, request_guess_mode
 
         failed = {}
         for request in requests:
@@ -153,16 +161,19 @@ class ControlsKind(InputKind):
                 height, width = h * self.geometry.vae_scale, w * self.geometry.vae_scale
                 steps = request.trajectory.schedule.steps  # the pipeline's len(timesteps)
                 i = np.arange(steps)
+                guess_mode = request_guess_mode(value.guess_mode, [self.controlnets[n] for n in value.names])
+                # FLUX samples its control latents from the request's generator, before its initial
+                # noise; SD3 from a generator of its own (its pipeline's global one), one per row
+                generator = self.model.control_generator(request.trajectory.generator)
+                rows = 1 if request.cfg_scale is None else 2
                 entries = []
                 for image, name, scale, (start, end) in zip(value.images, value.names, value.scales, value.windows):
                     net = self.controlnets[name]
-                    # FLUX samples its control latents from the request's generator, before its initial noise
-                    prepared = self.model.prepare_control_image(image, height, width, request.trajectory.generator,
-                                                                net)
+                    prepared = self.model.prepare_control_image(image, height, width, generator, net, rows)
                     keep = ~((i / steps < start) | ((i + 1) / steps > end))
-                    entries.append(ControlEntry(name, prepared, keep, control_factors(scale, value.guess_mode, net)))
+                    entries.append(ControlEntry(name, prepared, keep, control_factors(scale, guess_mode, net)))
                 shared = self.model.controls_on_prompt_row
-                request.slot_inputs[self.name] = ControlSlot(entries, value.guess_mode or shared, shared,
+                request.slot_inputs[self.name] = ControlSlot(entries, guess_mode or shared, shared,
                                                              self._prepared_bytes(value, request.latent_shape))
             except Exception as exc:
                 failed[request] = exc
@@ -240,7 +251,7 @@ class ControlSlots:
                 if run is None:
                     run = runs[entry.name] = ControlRun(controlnets[entry.name], [], [], [], [])
                 run.rows.append(row)
-                run.images.append(entry.image)
+                run.images.append(entry.image_of(bool(row_branch[row])))
                 run.factors.append(entry.factors)
                 run.positions.append(position)
                 run.also.append(also)
