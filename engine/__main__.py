@@ -105,8 +105,8 @@ class ControlNetOptions:
 
     controlnets: list[str] = dataclasses.field(default_factory=list, metadata=cli(
         "--controlnet", metavar="NAME=PATH",
-        help="serve the diffusers ControlNetModel folder PATH as ControlNet NAME (repeatable); requests name it in "
-             "`controls`"))
+        help="serve the diffusers ControlNet folder PATH (ControlNetModel; FluxControlNetModel for FLUX, "
+             "SD3ControlNetModel for SD3) as ControlNet NAME (repeatable); requests name it in `controls`"))
     ip_adapter: str | None = dataclasses.field(default=None, metadata=cli(
         "--ip-adapter", metavar="PATH",
         help="serve the IP-Adapter in PATH (its weights file and image_encoder/); requests give an ip_image"))
