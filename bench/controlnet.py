@@ -233,7 +233,7 @@ def call_cost(model, slots: int, share: float, repeats: int) -> dict:
 
     from engine.core.input_kinds.controls import ControlSlot, ControlSlots
     from engine.models.controlnet import ControlEntry, control_factors
-    from engine.models.loading import model_inputs
+    from engine.models.model import model_inputs
 
     rows = 2 * slots
     shape = model.latent_shape(model.native_size, model.native_size)

@@ -819,7 +819,7 @@ def test_graphs_are_bounded_least_recently_replayed_out(model):
     `max_graphs` the least recently replayed is dropped, and an evicted shape still runs
     (it is captured again)."""
     from engine.core.graphs import EagerCapture, GraphedDenoiser
-    from engine.models.loading import model_inputs
+    from engine.models.model import model_inputs
 
     capture = EagerCapture()
     graphed = GraphedDenoiser(model, capture, max_graphs=2)
@@ -845,7 +845,7 @@ def test_graph_key_has_the_memory_format_and_a_layout_change_drops_stale_graphs(
     when the adapter layout a graph reads changes, the graphs of the old one are dropped at
     once (never replayed again), not left to fill the bound."""
     from engine.core.graphs import EagerCapture, GraphedDenoiser
-    from engine.models.loading import model_inputs
+    from engine.models.model import model_inputs
 
     layout = [0]
     capture = EagerCapture()
@@ -866,7 +866,7 @@ def test_graph_capture_out_of_memory_is_retried_later(model):
     """A capture that runs out of device memory (other requests held it) runs that call
     eagerly and is tried again after a few calls, not given up for good."""
     from engine.core.graphs import EagerCapture, GraphedDenoiser
-    from engine.models.loading import model_inputs
+    from engine.models.model import model_inputs
 
     class ShortOfMemoryOnce(EagerCapture):
         def capture(self, fn, inputs):

@@ -96,7 +96,8 @@ def _save_variant(source: pathlib.Path, out: pathlib.Path, *, keep_default: bool
 
 
 def test_a_folder_saved_with_variant_fp16_loads(tiny_sd, tmp_path):
-    from engine.models.loading import VaeDecoder, load_model
+    from engine.models.model import VaeDecoder
+    from engine.models.loading import load_model
 
     only_fp16 = tmp_path / "fp16"
     _save_variant(tiny_sd, only_fp16)
@@ -409,7 +410,7 @@ def test_a_single_file_checkpoint_loads_with_its_config_folder(tiny_sd, tmp_path
             torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=f"{name}.{key}")
     # the decode workers' folder: the configs and the VAE, loadable as a pipeline folder's VAE
     from engine.models.geometry import geometry_of
-    from engine.models.loading import VaeDecoder
+    from engine.models.model import VaeDecoder
 
     assert geometry_of(model.decode_folder) == model.geometry
     decoder = VaeDecoder.from_folder(model.decode_folder)

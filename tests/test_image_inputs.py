@@ -21,7 +21,8 @@ from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestCanceled
 from engine.core import kernels as engine_kernels
 from engine.core.fences import DeferredFences
 from engine.core.solvers import build_schedule
-from engine.models.loading import StableDiffusionModel, load_model
+from engine.models.stable_diffusion import StableDiffusionModel
+from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, model_of, oracle_scheduler, pipeline_output_of, rel_l2
 from engine.testing.tiny_pipelines import build_class_conditional, build_flux, build_sd, build_sd3, build_sdxl

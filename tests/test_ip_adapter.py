@@ -77,7 +77,7 @@ def _pil(data: bytes) -> Image.Image:
 def ip_pipeline(folder: str, ip: str):
     import diffusers
 
-    from engine.models.loading import pipeline_class_of
+    from engine.models.geometry import pipeline_class_of
     import pathlib
 
     pipe = getattr(diffusers, pipeline_class_of(pathlib.Path(folder))).from_pretrained(folder, low_cpu_mem_usage=False)

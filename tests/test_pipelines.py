@@ -12,7 +12,8 @@ import torch
 from engine.core import CoreConfig, EngineCore, RequestCanceled, RequestRejected
 from engine.core.fences import DeferredFences
 from engine.decode.stage import postprocess
-from engine.models.loading import StableDiffusion3Model, StableDiffusionModel, load_model
+from engine.models.stable_diffusion import StableDiffusion3Model, StableDiffusionModel
+from engine.models.loading import load_model
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import model_of, pipeline_output, rel_l2
 from engine.testing.tiny_pipelines import build_sd, build_sd3

@@ -18,7 +18,8 @@ from PIL import Image, ImageDraw
 
 from engine.core import CoreConfig, EngineCore
 from engine.models.geometry import geometry_of
-from engine.models.loading import VaeDecoder, load_model, model_inputs, prompt_rows
+from engine.models.model import VaeDecoder, model_inputs, prompt_rows
+from engine.models.loading import load_model
 from engine.models.qwen_image import QwenImageModel, QwenImageVaeDecoder, combine_norm_preserving
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, model_of, rel_l2

@@ -19,7 +19,8 @@ from engine.core.solvers import build_schedule, init_noise_sigma, make_scheduler
 from engine.core.validation import checked_size
 from engine.models.flux import FluxModel
 from engine.models.geometry import geometry_of
-from engine.models.loading import load_model, model_inputs
+from engine.models.loading import load_model
+from engine.models.model import model_inputs
 from engine.models.sdxl import StableDiffusionXLModel
 from engine.protocol import GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, model_of, pipeline_output_of, rel_l2

@@ -52,7 +52,8 @@ def test_served_engine_samples_are_their_prompt():
     from core_driver import run_to_end
     from engine.core import CoreConfig, EngineCore
     from engine.decode.stage import postprocess
-    from engine.models.loading import StableDiffusionModel, load_model
+    from engine.models.stable_diffusion import StableDiffusionModel
+    from engine.models.loading import load_model
     from engine.protocol import GenerateParams
     from engine.testing.pipeline_oracle import pipeline_output
 

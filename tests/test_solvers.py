@@ -41,7 +41,7 @@ from engine.testing.reference import SCHEDULER_CONFIGS, TEST_CONDITIONS, referen
 
 from engine.core import CoreConfig, EngineCore, RequestRejected  # noqa: E402
 from engine.core.kernels import update_slots_reference  # noqa: E402
-from engine.models.loading import ClassConditionalModel  # noqa: E402
+from engine.models.stable_diffusion import ClassConditionalModel  # noqa: E402
 from engine.protocol import GenerateParams  # noqa: E402
 from engine.core.solvers import (  # noqa: E402
     CLIP, HC, KEEP_HIST, P, Q, SAMPLERS, SUPPORTED, Trajectory, UnsupportedSampler, build_schedule, make_scheduler,

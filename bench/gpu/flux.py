@@ -15,7 +15,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 from engine.models.flux import FluxModel
 from engine.models.geometry import Geometry
-from engine.models.loading import Conditioning
+from engine.models.model import Conditioning
 
 from .engine_runs import engine_vs_peak, finite_output_check
 from .report import row

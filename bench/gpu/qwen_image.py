@@ -24,7 +24,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 
 from engine.models.geometry import Geometry
-from engine.models.loading import Conditioning
+from engine.models.model import Conditioning
 from engine.models.qwen_image import QwenImageModel
 
 from .engine_runs import finite_output_check, run_engine_steps

@@ -11,7 +11,7 @@ import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 
 from engine.models.geometry import Geometry
-from engine.models.loading import Conditioning, DiffusionModel
+from engine.models.model import Conditioning, DiffusionModel
 
 from .report import row
 from .text_stand_in import TEXT_TOKENS, TEXT_WIDTH

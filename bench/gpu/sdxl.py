@@ -14,7 +14,7 @@ import torch
 from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
 
 from engine.models.geometry import Geometry
-from engine.models.loading import Conditioning
+from engine.models.model import Conditioning
 from engine.models.sdxl import StableDiffusionXLModel
 
 from .engine_runs import engine_vs_peak, finite_output_check

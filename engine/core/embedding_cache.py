@@ -12,7 +12,7 @@ import collections
 import hashlib
 from typing import Sequence
 
-from engine.models.loading import Conditioning, DiffusionModel
+from engine.models.model import Conditioning, DiffusionModel
 
 
 class EmbeddingCache:

@@ -42,7 +42,7 @@ from engine.core.scheduling.requests import Request
 from engine.core.runner import Runner
 from engine.core.scheduling.scheduler import Scheduler
 from engine.core.storage import Launch, Report
-from engine.models.loading import DiffusionModel, model_inputs
+from engine.models.model import DiffusionModel, model_inputs
 from engine.protocol import MAX_PARTIAL_IMAGES, OUTPUT_KINDS, GenerateParams
 
 log = logging.getLogger("diffslot.core")

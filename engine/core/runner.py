@@ -23,7 +23,7 @@ from engine.core.scheduling.plan import AdmissionPlan, StepOutcome, StepPlan
 from engine.core.storage import Batch, SlotStorage, to_host
 from engine.core.solvers import G, NUM_COEFS, P, Q
 from engine.models.inputs import ModelInputs
-from engine.models.loading import prompt_rows
+from engine.models.model import prompt_rows
 
 log = logging.getLogger("diffslot.core")
 

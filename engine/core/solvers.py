@@ -36,7 +36,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 
-from engine.models.loading import prediction_type_of
+from engine.models.model import prediction_type_of
 from engine.protocol import SAMPLERS
 
 # Columns of a coefficient row (see the module docstring).

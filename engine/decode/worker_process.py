@@ -25,7 +25,7 @@ def worker_main(arena_name: str, index: int, model_dir: str, device: str, thread
     arena = A.Arena.attach(arena_name, parent_pid, arena_fd)
     import torch
 
-    from engine.models.loading import VaeDecoder
+    from engine.models.model import VaeDecoder
 
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)

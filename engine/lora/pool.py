@@ -137,7 +137,7 @@ def _layout_key(layer) -> tuple:
 
 
 class AdapterPool:
-    """LoRA adapters of `lora_dir` for `model` (a pipeline model of `engine.models.loading`)."""
+    """LoRA adapters of `lora_dir` for `model` (a `engine.models.stable_diffusion.PipelineModel`)."""
 
     def __init__(self, model, lora_dir: str | os.PathLike, budget_bytes: int, max_per_request: int = 4,
                  max_resident: int = 64, max_scale: float = MAX_SCALE, install: bool = True,

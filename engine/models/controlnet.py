@@ -51,7 +51,7 @@ import pathlib
 import numpy as np
 import torch
 
-from engine.models.loading import to_device
+from engine.models.model import to_device
 
 #: the most controls one request may apply
 MAX_CONTROLS = 8

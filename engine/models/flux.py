@@ -31,14 +31,17 @@ import numpy as np
 import torch
 
 from engine.models.inputs import ModelInputs
-from engine.models.loading import Conditioning, _PipelineModel
+from engine.models.model import Conditioning
+
+#: Samplers FLUX runs: its own scheduler, and the kernel's flow-matching Euler (the same
+from engine.models.stable_diffusion import PipelineModel
 
 #: Samplers FLUX runs: its own scheduler, and the kernel's flow-matching Euler (the same
 #: update). The others do not take the pipeline's `sigmas` (DPM-Solver++) or predict noise.
 FLUX_SAMPLERS = ("default", "flow_euler")
 
 
-class FluxModel(_PipelineModel):
+class FluxModel(PipelineModel):
     pipeline_class = "FluxPipeline"
     max_sequence_length = 512  # the pipeline's default T5 length
     denoiser_is_unet = False

@@ -47,7 +47,7 @@ import torch
 
 from engine.models.flux import FLUX_SAMPLERS, FluxModel
 from engine.models.inputs import ModelInputs
-from engine.models.loading import Conditioning, DiffusionModel, VaeDecoder, to_device
+from engine.models.model import Conditioning, DiffusionModel, VaeDecoder, to_device
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 
 from engine.models.inputs import ModelInputs
-from engine.models.loading import Conditioning, StableDiffusionModel
+from engine.models.model import Conditioning
+from engine.models.stable_diffusion import StableDiffusionModel
 
 
 class StableDiffusionXLModel(StableDiffusionModel):

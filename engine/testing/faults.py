@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.inputs import ModelInputs
-from engine.models.loading import Conditioning, DiffusionModel, model_inputs
+from engine.models.model import Conditioning, DiffusionModel, model_inputs
 
 
 class FaultyModel:

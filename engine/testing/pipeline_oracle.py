@@ -32,7 +32,7 @@ import torch
 def load_pipeline(folder: str):
     import diffusers
 
-    from engine.models.loading import pipeline_class_of
+    from engine.models.geometry import pipeline_class_of
 
     path = pathlib.Path(folder)
     kind = pipeline_class_of(path)

@@ -9,7 +9,7 @@ import pathlib
 import torch
 
 from engine.core.solvers import init_noise_sigma, make_scheduler
-from engine.models.loading import ClassConditionalModel
+from engine.models.stable_diffusion import ClassConditionalModel
 from engine.testing.tiny_pipelines import SCHEDULER_CONFIGS, TEST_CONDITIONS, tiny_class_vae, tiny_unet
 
 

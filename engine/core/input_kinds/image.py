@@ -35,7 +35,7 @@ from engine.core.input_kinds.base import InputKind
 from engine.core.kernels import blend_known_region
 from engine.core.outputs import RequestRejected
 from engine.core.storage import to_host, upload
-from engine.models.loading import to_device
+from engine.models.model import to_device
 
 log = logging.getLogger("diffslot.core")
 

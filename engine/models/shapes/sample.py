@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from engine.models.shapes.classify import classify
 from engine.models import SHAPES_DIR, resolve
-from engine.models.loading import pipeline_class_of
+from engine.models.geometry import pipeline_class_of
 from engine.models.shapes.draw import PROMPTS, SIZE
 
 
