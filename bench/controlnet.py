@@ -38,7 +38,6 @@ one ControlNet on 30% of the requests' rows (gathered), and on every row.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import io
 import json
@@ -53,6 +52,8 @@ import warnings
 REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.trace_replay import replay_records  # noqa: E402
 
 STEP_CLASSES = (4, 10, 20)
 STEP_SHARES = (0.4, 0.35, 0.25)
@@ -167,38 +168,8 @@ def counting_calls(core):
 
 
 def drive(core, trace: list[dict], limit_s: float) -> dict:
-    from engine.core.outputs import DenoiseFinished, RequestCanceled, RequestFailed
-
-    clock = time.monotonic
-    pending = collections.deque(sorted(trace, key=lambda r: r["at"]))
-    by_id = {r["id"]: r for r in trace}
-    records = {}
-    t0 = clock() + 0.05
-    deadline = t0 + limit_s
-    while True:
-        now = clock()
-        while pending and t0 + pending[0]["at"] <= now:
-            entry = pending.popleft()
-            core.add_request(entry["id"], params_of(entry), arrival_time=t0 + entry["at"])
-        for out in core.step():
-            rid = out.request_id
-            if isinstance(out, DenoiseFinished):
-                done = clock()
-                core.decode_done(rid)
-                records[rid] = dict(state="done", ttuo=done - (t0 + by_id[rid]["at"]), done_at=done - t0,
-                                    latents=out.latents.float().clone())
-            elif isinstance(out, RequestCanceled):
-                records[rid] = dict(state="canceled")
-                core.decode_done(rid)
-            elif isinstance(out, RequestFailed):
-                records[rid] = dict(state="failed", error=out.error)
-        if not pending and not core.has_unfinished_requests():
-            break
-        if clock() > deadline:
-            raise RuntimeError(f"the run did not end within {limit_s:.0f} s")
-        if pending and not core.has_work():
-            time.sleep(max(0.0, min(0.005, t0 + pending[0]["at"] - clock())))
-    return records
+    """Replay `trace` against `core` through its public calls; per-request records."""
+    return replay_records(core, trace, params_of, limit_s)
 
 
 def run_system(system: str, model, trace: list[dict], slots: int, limit_s: float) -> dict:

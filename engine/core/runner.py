@@ -9,6 +9,7 @@ known region), takes x0 previews and records the launch's fence. It returns a
 `StepOutcome`; it never reads or writes the scheduler's state."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -325,10 +326,10 @@ class Runner:
         """slot → the share of its units that skipped work this step."""
         if cache_call is None or cache_call.units[0].state.off:
             return {}
+        units_of_slot = collections.Counter(u.slot for u in cache_call.units)
         share: dict[int, float] = {}
         for unit in cache_call.units:
-            units_of_slot = sum(1 for u in cache_call.units if u.slot == unit.slot)
-            share[unit.slot] = share.get(unit.slot, 0.0) + (unit.hit / units_of_slot)
+            share[unit.slot] = share.get(unit.slot, 0.0) + unit.hit / units_of_slot[unit.slot]
         self.cache_decisions += len(cache_call.units)
         self.cache_hits += sum(u.hit for u in cache_call.units)
         self.cache_rows_skipped += cache_call.rows_skipped
