@@ -440,12 +440,40 @@ def test_demo_runs_clean(tmp_path):
                            "--out", str(out)], cwd=REPO, env=env(), capture_output=True, text=True, timeout=840)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = [line for line in demo.stdout.splitlines() if line[:2].strip().isdigit()]
-    assert sum("Completed" in r for r in rows) >= 12 and sum("Canceled" in r for r in rows) == 1
+    lines = demo.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "looks like" in line)
+    rows = lines[header + 2:lines.index("", header)]  # one per request, between the rule and a blank line
+    assert len(rows) >= 19 and sum("Completed" in r for r in rows) == len(rows) - 1
+    assert sum("Canceled" in r for r in rows) == 1
+    _check_controlnet_tiles(lines[header], rows, out)
     engine_pid = int(demo.stdout.split("engine pid ", 1)[1].split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)  # reaped, not a zombie or still running
     assert not shm_leftovers(engine_pid)
+
+
+def _check_controlnet_tiles(header: str, rows: list[str], grid_path: pathlib.Path) -> None:
+    """The demo's silhouette ControlNet requests completed, each read in its prompt's colour, and the grid
+    shows each control image with the output beside it, the figure drawn over the silhouette."""
+    from PIL import Image
+
+    from engine.demo import COLUMNS, SILHOUETTES, silhouette, silhouette_iou
+
+    looks = [row[header.index("looks like"):] for row in rows if "ControlNet 'silhouette'" in row]
+    assert len(looks) == len(SILHOUETTES), rows
+    grid = np.asarray(Image.open(grid_path).convert("RGB"))
+    tile, cell_w = 4 * 32, max(4 * 32, 150) + 6  # demo.grid's: 32×32 images drawn 4× with 6 px gaps, 150 px wide
+    for look, (prompt, shape, cy, cx, size) in zip(looks, SILHOUETTES):
+        assert look.startswith(prompt.removeprefix("a ").split()[0]), (prompt, look)
+        control = silhouette(shape, cy, cx, size)
+        shown = np.repeat(np.repeat(control, 4, axis=0), 4, axis=1)
+        # the control tile, in any column but the last (demo.tiles keeps an input on its output's row)
+        found = [(y, x) for x in (6 + c * cell_w for c in range(COLUMNS - 1)) for y in range(grid.shape[0] - tile)
+                 if np.array_equal(grid[y, x:x + tile], shown[0]) and np.array_equal(grid[y:y + tile, x:x + tile], shown)]
+        assert len(found) == 1, f"{prompt}: its control image is {len(found)} times in the grid"
+        y, x = found[0]
+        output = grid[y:y + tile, x + cell_w:x + cell_w + tile][::4, ::4]
+        assert silhouette_iou(output, control) > 0.5, f"{prompt}: the output beside its control"
 
 
 @pytest.mark.timeout(30)
