@@ -116,6 +116,17 @@ shows one that no longer imports:
                the engine's mixed batch of prompts of different lengths, in useful rows/s,
                beside the anchors' published ratios (SGLang: 3.2× at 512² batch 16, 1.02×
                at 1024² batch 2). Figures, no verdict.
+  controlnet   per-request ControlNets (last, so a slow device's budget cuts it first): an
+               SD-1.5-architecture UNet (fp16, 512²; one layer per block with --quick) in the
+               engine's own StableDiffusionModel with two ControlNets built from it
+               (`ControlNetModel.from_unet`), bench/controlnet.py's systems side by side: mixed
+               (each ControlNet on its own rows in one call), ControlNet-keyed groups, every
+               ControlNet on every row. One call of 16 guided requests, 5 on a ControlNet
+               (CUDA-synchronised median of 10, 5 with --quick): the rows equal across systems,
+               mixed's cost beyond a plain call ≤ 0.5 of all-rows'; then a burst of 48 requests
+               (24 with --quick) served by each, only if its estimate keeps the part within 60 s
+               (25 s with --quick), the build included: mixed ≥ 1.5× keyed goodput (judged by
+               the keyed split's call cost over mixed's when the burst is left out).
 The lent machine lacks those packages and has an older torch than setup.py pins: this
 script unpacks the carried wheels into bench/.wheels/site and puts that first on sys.path
 (the project itself is never installed there: it runs from this checkout). On a machine
@@ -167,6 +178,7 @@ PARTS = [  # name (its module bench/gpu/<name>.py), needs CUDA; run in this orde
     ("flux", True),
     ("step_cache", True),
     ("qwen_image", True),
+    ("controlnet", True),  # last: the budget cuts the newest part, not the older ones
 ]
 
 

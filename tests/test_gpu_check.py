@@ -174,7 +174,10 @@ def test_help_documents_the_one_device_command_within_420_s():
     from bench.gpu_check import DEFAULT_BUDGET_S, PARTS
 
     assert DEFAULT_BUDGET_S + 100 <= 420  # no part with --quick takes much over 100 s
-    assert {"lora_engine", "nosync", "png", "graphs"} <= {name for name, _ in PARTS}
+    names = [name for name, _ in PARTS]
+    assert {"lora_engine", "nosync", "png", "graphs"} <= set(names)
+    assert names.index("controlnet") > names.index("qwen_image")  # a slow device's budget cuts it first
+    assert "controlnet" in text
 
 
 def test_step_cache_verdicts_fail_when_the_cache_saves_nothing():
@@ -186,3 +189,104 @@ def test_step_cache_verdicts_fail_when_the_cache_saves_nothing():
     assert not judge.step_cache_goodput(1.0, 0.0).ok  # nothing skipped: nothing shown
     assert judge.step_cache_decision(1.05, 1.0, 0).ok
     assert not judge.step_cache_decision(2.0, 1.0, 0).ok and not judge.step_cache_decision(1.0, 1.0, 3).ok
+
+
+def test_controlnet_verdicts_fail_below_the_target_or_when_the_gather_saves_nothing():
+    """Per-request ControlNets at 1.02× keyed groups (the CPU's figure) fail, 1.6× passes, and
+    a request not served fails whatever the ratio; a mixed call that costs as much as running
+    every ControlNet on every row fails, one whose ControlNets never ran shows nothing."""
+    assert judge.controlnet_over_keyed(1.6, "goodput", complete=True).ok
+    assert not judge.controlnet_over_keyed(1.02, "goodput", complete=True).ok
+    assert not judge.controlnet_over_keyed(1.6, "goodput", complete=False).ok
+    assert not judge.controlnet_over_keyed(float("nan"), "call cost", complete=True).ok
+    assert judge.controlnet_gathered_cost(50.0, 55.0, 75.0).ok  # 0.2 of all-rows' extra
+    assert not judge.controlnet_gathered_cost(50.0, 72.0, 75.0).ok  # the ControlNets ran on (nearly) every row
+    assert not judge.controlnet_gathered_cost(50.0, 50.0, 50.0).ok  # no ControlNet ran at all
+    assert not judge.controlnet_gathered_cost(0.0, 5.0, 25.0).ok
+
+
+#: a CPU-sized UNet of the SD layout for the controlnet part (8×8 latents at 64², vae scale 8)
+TINY_UNET_CONFIG = dict(in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), block_out_channels=(32, 64),
+                        layers_per_block=1, cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_controlnet_model():
+    import torch
+
+    from bench.gpu import controlnet as part
+
+    return part.controlnet_model(TINY_UNET_CONFIG, "cpu", torch.float32, 64, text_tokens=8)
+
+
+@pytest.mark.timeout(300)
+def test_controlnet_part_on_cpu_gathers_splits_and_serves_every_system_alike(tiny_controlnet_model):
+    """The controlnet part's measurements on a CPU-sized UNet: in one call each ControlNet
+    ran on its own rows only (mixed and keyed) or on every row (all-rows), the keyed split
+    made one call per ControlNet set, every row equals the mixed call's and the ControlNets
+    moved their rows (and no other); in the burst every system served every request, with
+    the same latents, keyed groups in more calls, all-rows on more ControlNet rows."""
+    import torch
+
+    from bench.gpu import controlnet as part
+
+    model = tiny_controlnet_model
+    cost = part.call_costs(model, slots=8, share=0.3, samples=1, warmup=0)
+    assert cost["ran"]["mixed"] == cost["ran"]["keyed"] == {"edges": 2, "depth": 2}  # 2 of 8 requests, 2 rows each
+    assert cost["ran"]["all-rows"] == {"edges": 16, "depth": 16}
+    assert cost["keyed_calls"] == [12, 2, 2]
+    tolerance = part.CALL_TOLERANCE[torch.float32]
+    assert judge.equal_within(cost["errors"], tolerance).ok, cost["errors"]
+    assert cost["effect"] > part.EFFECT_OVER_TOLERANCE * tolerance and cost["plain_rows_changed"] <= tolerance
+    assert all(ms > 0 for ms in cost["ms"].values())
+
+    trace = part.burst(8, 0.5, 1)
+    using = [e for e in trace if e["controls"]]
+    assert 0 < len(using) < len(trace)
+    result = part.replay(model, trace, slots=8)
+    results = result["results"]
+    for r in results.values():
+        assert r["completed"] == 8 and not r["failed"] and r["goodput"] > 0, r["system"]
+    # each ControlNet request's two rows at every step, in mixed and keyed alike
+    expected = 2 * sum(e["steps"] for e in using)
+    assert results["mixed"]["controlnet_rows"] == results["keyed"]["controlnet_rows"] == expected
+    assert results["all-rows"]["controlnet_rows"] > expected
+    assert results["keyed"]["calls"] > results["mixed"]["calls"] == results["all-rows"]["calls"]
+    assert result["worst_rel_l2"] <= 1e-4
+
+    from bench.gpu import report
+
+    before = len(report.ROWS)
+    try:
+        ratio = part.report_replay(result, 8, 8)
+        rows = {r["metric"]: r for r in report.ROWS[before:]}
+    finally:
+        del report.ROWS[before:]
+    assert ratio == pytest.approx(results["mixed"]["goodput"] / results["keyed"]["goodput"])
+    verdict = judge.controlnet_over_keyed(ratio, "goodput", True)
+    assert rows["mixed / keyed goodput"]["status"] == ("ok" if verdict.ok else "FAIL")
+
+
+@pytest.mark.timeout(300)
+def test_controlnet_part_judges_by_call_cost_when_the_replay_does_not_fit(tiny_controlnet_model):
+    """With no time left for the trace, the part says so and judges mixed against keyed by
+    the keyed split's call cost; its rows are the ones the report reads."""
+    import time
+
+    from bench.gpu import controlnet as part
+    from bench.gpu import report
+
+    before = len(report.ROWS)
+    try:
+        figures = part.measure(tiny_controlnet_model, 0.0, time.perf_counter(), slots=8, requests=8, samples=1)
+        rows = {r["metric"]: r for r in report.ROWS[before:]}
+    finally:
+        del report.ROWS[before:]
+    assert not figures["replayed"] and figures["over_keyed"] == figures["split_over_mixed"] > 0
+    assert rows["replay"]["status"] == "skipped"
+    verdict = judge.controlnet_over_keyed(figures["over_keyed"], "call cost", True)
+    assert rows["mixed / keyed (call cost)"]["status"] == ("ok" if verdict.ok else "FAIL")
+    assert rows["rows of keyed and all-rows vs mixed"]["status"] == "ok"
+    assert rows["ControlNet rows vs a plain call (min)"]["status"] == "ok"
+    assert {f"{s} median ms" for s in ("plain", "mixed", "keyed", "all-rows")} <= set(rows)

@@ -38,6 +38,16 @@ MIN_HOLD_S = 0.2
 STEP_CACHE_OF_IDEAL = 0.8
 STEP_CACHE_DECISION_COST = 1.15
 
+#: per-request ControlNets (each on the rows that use it, in one call) against groups keyed
+#: by ControlNet (requests share a call only with the same ControlNets): goodput at least
+#: this multiple of the keyed groups' on the same trace; it presumes a device where a small
+#: call costs about what a full one does (a CPU call's cost grows with its rows)
+CONTROLNET_OVER_KEYED = 1.5
+#: the gathered ControlNet sub-batches' cost beyond a plain call at most this fraction of
+#: what running every ControlNet on every row costs beyond it (rows that do not use one pay
+#: nothing; with 5 of 16 requests on one of two ControlNets the rows' own share is 10/64)
+CONTROLNET_GATHERED_SHARE = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -162,3 +172,24 @@ def step_cache_decision(seconds_deciding: float, seconds_plain: float, hits: int
     skipped costs at most STEP_CACHE_DECISION_COST × the uncached time."""
     ok = hits == 0 and seconds_plain > 0 and seconds_deciding <= STEP_CACHE_DECISION_COST * seconds_plain
     return Verdict(ok, f"target ≤ {STEP_CACHE_DECISION_COST:g}× uncached; {hits} hits (0 expected)")
+
+
+def controlnet_over_keyed(ratio: float, measured_by: str, complete: bool) -> Verdict:
+    """Per-request ControlNets at least CONTROLNET_OVER_KEYED × ControlNet-keyed groups:
+    `ratio` mixed / keyed goodput on one trace (or, where no trace ran, the keyed split's
+    cost over the mixed call's for the same rows, `measured_by` says which), every request
+    of every system served (`complete`)."""
+    ok = complete and ratio >= CONTROLNET_OVER_KEYED  # False for NaN
+    return Verdict(ok, f"target ≥ {CONTROLNET_OVER_KEYED:g}× keyed groups, by {measured_by}"
+                   + ("" if complete else "; a request was not served"))
+
+
+def controlnet_gathered_cost(plain_ms: float, mixed_ms: float, all_rows_ms: float) -> Verdict:
+    """The mixed call (each ControlNet on its own rows) costs beyond a plain call at most
+    CONTROLNET_GATHERED_SHARE of what every ControlNet on every row costs beyond it; the
+    all-rows call must cost more than a plain one (else no ControlNet ran: nothing shown)."""
+    extra_all = all_rows_ms - plain_ms
+    share = (mixed_ms - plain_ms) / extra_all if extra_all > 0 else float("inf")
+    ok = plain_ms > 0 and extra_all > 0 and share <= CONTROLNET_GATHERED_SHARE
+    return Verdict(ok, f"plain {plain_ms:.2f} ms, mixed {mixed_ms:.2f} ms, all-rows {all_rows_ms:.2f} ms: mixed's "
+                   f"extra {share:.2f} of all-rows' (target ≤ {CONTROLNET_GATHERED_SHARE:g})")
