@@ -60,9 +60,10 @@ STEP_SHARES = (0.4, 0.35, 0.25)
 SAMPLER, GUIDANCE = "euler", 3.0
 SYSTEMS = ("mixed", "keyed", "all-rows")
 NETS = ("edges", "depth")
+SIZE = 32  # every request at the shapes model's native size: a request without a height takes its control image's
 
 
-def silhouette(rng: random.Random, size: int = 16) -> bytes:
+def silhouette(rng: random.Random, size: int = SIZE) -> bytes:
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (size, size), 0)
@@ -99,7 +100,7 @@ def params_of(entry: dict):
     from engine.protocol import Control, GenerateParams
 
     return GenerateParams(prompt=entry["prompt"], negative_prompt="", steps=entry["steps"], sampler=SAMPLER,
-                          guidance=GUIDANCE, seed=entry["seed"], output="latent",
+                          guidance=GUIDANCE, seed=entry["seed"], output="latent", height=SIZE, width=SIZE,
                           controls=tuple(Control(name, image, scale=scale) for name, image, scale in entry["controls"]))
 
 
@@ -187,7 +188,8 @@ def run_system(system: str, model, trace: list[dict], slots: int, limit_s: float
                 goodput=len(done) / span if span > 0 else float("nan"),
                 p50=statistics.median(r["ttuo"] for r in done) if done else float("nan"),
                 p50_short=statistics.median(short) if short else float("nan"),
-                calls=calls, rows_per_call=rows / calls if calls else float("nan"), records=records)
+                calls=calls, rows_per_call=rows / calls if calls else float("nan"), groups=len(core.groups),
+                records=records)
 
 
 def capacity(model, prompts: list[str], share: float, slots: int, probe: int, seed: int) -> float:
@@ -300,7 +302,7 @@ def main(argv=None) -> int:
     print(f"shapes, ControlNets {', '.join(NETS)} ({args.share:.0%} of requests), {args.slots} slots, "
           f"{args.threads} thread(s); trace {args.duration:g} s at {rate:.2f}/s")
     header = f"{'run':>3} {'system':<9} {'done':>5} {'goodput/s':>10} {'p50 s':>7} {'p50 short s':>12} " \
-             f"{'calls':>6} {'rows/call':>9}"
+             f"{'calls':>6} {'rows/call':>9} {'groups':>6}"
     print(header)
     report = {"rate": rate, "runs": [], "ratios": {"keyed": [], "all-rows": []}, "worst_rel_l2": 0.0}
     for repeat in range(args.repeats):
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
         for system in SYSTEMS:
             r = results[system]
             print(f"{repeat:>3} {system:<9} {r['completed']:>5} {r['goodput']:>10.2f} {r['p50']:>7.2f} "
-                  f"{r['p50_short']:>12.2f} {r['calls']:>6} {r['rows_per_call']:>9.1f}")
+                  f"{r['p50_short']:>12.2f} {r['calls']:>6} {r['rows_per_call']:>9.1f} {r['groups']:>6}")
             report["runs"].append({k: v for k, v in r.items() if k != "records"} | {"repeat": repeat})
         mixed = results["mixed"]
         for system in ("keyed", "all-rows"):

@@ -130,6 +130,9 @@ def test_controlnet_quick(tmp_path):
     assert sorted(r[1] for r in rows) == ["all-rows", "keyed", "mixed"], lines
     for row in rows:
         assert int(row[2]) > 0 and all(float(v) > 0 for v in row[3:6]), row
+    groups = {r[1]: int(r[-1]) for r in rows}
+    # one size: per-row ControlNets share one group; keyed groups split it by ControlNet set
+    assert groups["mixed"] == groups["all-rows"] == 1 and groups["keyed"] > 1, groups
     report = json.loads((tmp_path / "controlnet.json").read_text())
     assert report["worst_rel_l2"] < 1e-4, report["worst_rel_l2"]
     cost = report["call_ms"]

@@ -56,7 +56,8 @@ from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestFailed
 from engine.core.input_kinds.controls import ControlSlot, ControlSlots
 from engine.models.controlnet import ControlEntry, check_controlnet, control_factors
 from engine.models.geometry import Geometry
-from engine.models.loading import Conditioning, StableDiffusionModel, model_inputs
+from engine.models.model import Conditioning, model_inputs
+from engine.models.stable_diffusion import StableDiffusionModel
 from engine.protocol import Control, GenerateParams
 
 from . import judge

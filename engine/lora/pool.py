@@ -4,15 +4,8 @@ device up to a byte budget, each in one pool slot that every wrapped layer index
 * Adapters: every `NAME.safetensors` file in `lora_dir`, and every folder `NAME/` holding
   `pytorch_lora_weights.safetensors` (as `save_lora_weights` writes). `names()` rescans,
   so new files are found without a restart.
-* Reading a file is diffusers' own: the pipeline class's `lora_state_dict` (kohya / A1111
-  keys converted as `load_lora_weights` converts them), then the steps of
-  `PeftAdapterMixin.load_lora_adapter` (denoiser) and `_load_lora_into_text_encoder`
-  (text encoders): prefix, conversion to peft keys, the rank dict and `_create_lora_config`.
-  Each module's scaling is peft's: `lora_alpha / r` (rslora: `/ sqrt(r)`), r and alpha
-  from the config's rank and alpha patterns matched by peft's own `get_pattern_key`.
-  What peft would load but this pool cannot serve (DoRA, LoRA biases, LoKr, embedding
-  LoRA, grouped convs, a module the model lacks, shapes that do not fit, a rank above
-  `max_rank`) is refused by `check` with the reason.
+* Reading a file is diffusers' own (`engine.lora.files`); what the pool's layers cannot
+  serve is refused by `check` with the reason.
 * Residency: `acquire(names)` references the adapters once each when they are all
   resident. One that is not gets room (least-recently-used adapters that nothing
   references are evicted) and is loaded by the pool's loader thread: the file read, the
@@ -51,8 +44,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from engine.lora.files import AdapterError, AdapterReader, Factors, file_signature
 from engine.lora.kernel import DEFAULT_RANK_LIMIT
-from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, LoraConv2d, unwrap_layers, wrap_layers
+from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, unwrap_layers, wrap_layers
 
 log = logging.getLogger("diffslot.lora")
 
@@ -72,21 +66,6 @@ LOADING = "loading"
 #: How long an adapter just loaded for a waiting request is kept from eviction before that
 #: request references it (the next admission does at once; this only bounds a canceled one's).
 LOADED_HOLD_S = 5.0
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served (the reason is the message)."""
-
-
-@dataclasses.dataclass
-class _Factors:
-    """One targeted module of one adapter: its low-rank factors and peft's scaling."""
-
-    component: str
-    module: str
-    A: torch.Tensor  # rank × in (conv: rank × in × kh × kw)
-    B: torch.Tensor  # out × rank
-    scaling: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,17 +92,6 @@ class _Adapter:
     @property
     def text_encoder(self) -> bool:
         return any(c.startswith("text_encoder") for c in self.components)
-
-
-def _file_signature(path: pathlib.Path) -> tuple:
-    st = path.stat()
-    return (st.st_mtime_ns, st.st_size)
-
-
-def _strip(mapping, prefix: str):
-    if mapping is None:
-        return None
-    return {k.removeprefix(f"{prefix}."): v for k, v in mapping.items() if k.startswith(f"{prefix}.")}
 
 
 def _layout_key(layer) -> tuple:
@@ -167,6 +135,8 @@ class AdapterPool:
         self._encode_lock = threading.Lock()
         self._tick = 0
         self._layers: dict[str, dict] = {}
+        self.reader = AdapterReader(self.loader, self.components, self._layers, self.max_rank,
+                                    getattr(model, "pipeline_class", type(model).__name__), self._inside)
         self._fixed_bytes = 0  # the layers' device tables: allocated once at install
         self._resident_bytes = 0  # the fixed bytes + the footprint of the adapters with a slot
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -304,7 +274,7 @@ class AdapterPool:
                 self._evict(adapter)
             adapter = self._adapters[name] = _Adapter(name, where, ())
         try:
-            signature = _file_signature(where)
+            signature = file_signature(where)
         except OSError:
             return None
         if signature != adapter.signature and adapter.refcount == 0:
@@ -315,7 +285,7 @@ class AdapterPool:
     def _validate(self, adapter: _Adapter, signature: tuple) -> None:
         adapter.signature, adapter.reason, adapter.load_error = signature, None, None
         try:
-            factors = self._read(adapter.path)
+            factors = self.reader.read(adapter.path)
         except AdapterError as exc:
             adapter.reason = str(exc)
             return
@@ -324,135 +294,12 @@ class AdapterPool:
             log.warning("adapter %r (%s) cannot be read: %s: %s", adapter.name, adapter.path, type(exc).__name__, exc)
             adapter.reason = "cannot be read as a diffusers LoRA file (the engine's log has the details)"
             return
-        adapter.nbytes = sum(self._device_bytes(f) for f in factors)
+        adapter.nbytes = sum(self.reader.device_bytes(f) for f in factors)
         adapter.components = tuple(sorted({f.component for f in factors}, key=list(self.components).index))
         adapter.targets = len(factors)
         adapter.max_rank = max(int(f.A.shape[0]) for f in factors)
         adapter.ranks = {(f.component, f.module): int(f.A.shape[0]) for f in factors}
         adapter.alone_bytes = self._footprint({0: adapter})
-
-    def _device_bytes(self, f: _Factors) -> int:
-        layer = self._layers[f.component][f.module]
-        size = torch.empty((), dtype=layer.weights.dtype).element_size()
-        return (f.A.numel() + f.B.numel()) * size
-
-    # ---- reading a file (diffusers' own steps) -------------------------------------------------
-
-    def _read(self, path: pathlib.Path) -> list[_Factors]:
-        if not self._inside(path):  # replaced by a link out of the folder since it was listed
-            raise AdapterError("its file is no longer in the adapter folder")
-        kwargs = dict(weight_name=path.name, use_safetensors=True, local_files_only=True, return_lora_metadata=True)
-        if self.denoiser_name == "unet":
-            kwargs["unet_config"] = self.components["unet"].config  # SDXL maps kohya's SGM blocks with it
-        # FLUX's loader returns alphas only when asked; the others ignore the keyword
-        kwargs["return_alphas"] = True
-        read = self.loader.lora_state_dict(str(path.parent), **kwargs)
-        # (state dict, network alphas, metadata) for SD / SDXL / FLUX, (state dict, metadata) for SD3
-        state_dict, network_alphas, metadata = read if len(read) == 3 else (read[0], None, read[1])
-        if not all("lora" in key for key in state_dict):
-            raise AdapterError("not a LoRA checkpoint (keys without 'lora', as load_lora_weights refuses)")
-        factors: list[_Factors] = []
-        for component in self.components:
-            factors += self._component_factors(component, state_dict, network_alphas, metadata)
-        known_prefixes = tuple(f"{c}." for c in self.components)
-        stray = sorted({k.split(".")[0] for k in state_dict if not k.startswith(known_prefixes)})
-        if stray:
-            raise AdapterError(f"holds weights for {', '.join(stray)}, which this "
-                               f"{self.model.pipeline_class} does not have (it has {', '.join(self.components)})")
-        if not factors:
-            raise AdapterError("targets no layer of this model")
-        return factors
-
-    def _component_factors(self, component: str, state_dict, network_alphas, metadata) -> list[_Factors]:
-        from diffusers.utils.peft_utils import _create_lora_config
-
-        module = self.components[component]
-        sd = _strip(state_dict, component)
-        if not sd:
-            return []
-        # metadata for another component only: derive this one's config from its weights
-        # (diffusers would build a default LoraConfig from {} and fail on the ranks)
-        meta = _strip(metadata, component) or None
-        if any(".lokr_" in k for k in sd):
-            raise AdapterError(f"{component}: a LoKr adapter, not LoRA")
-        if component.startswith("text_encoder"):  # as diffusers' _load_lora_into_text_encoder
-            from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
-
-            sd = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))
-            if not hasattr(module, "text_model"):
-                sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
-            rank = {}
-            for name, _ in module.named_modules():
-                if name.endswith((".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")):
-                    key = f"{name}.lora_B.weight"
-                    if key in sd:
-                        rank[key] = sd[key].shape[1]
-            alphas = None if network_alphas is None else {
-                k.removeprefix(f"{component}."): v for k, v in network_alphas.items()
-                if k.startswith(component) and k.split(".")[0] == component}
-            is_unet = False
-        else:  # as PeftAdapterMixin.load_lora_adapter
-            from diffusers.utils import convert_unet_state_dict_to_peft
-
-            if "lora_A" not in next(iter(sd)):
-                sd = convert_unet_state_dict_to_peft(sd)
-            if "lora_controlnet" in sd:
-                raise AdapterError(f"{component}: a control LoRA (it replaces layers), not served")
-            rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k and v.ndim > 1}
-            alphas = _strip(network_alphas, component) if network_alphas else network_alphas
-            is_unet = True
-        if network_alphas and meta:
-            raise AdapterError("has both network alphas and adapter metadata (diffusers refuses it)")
-        if not rank:
-            raise AdapterError(f"{component}: no lora_B weights of a layer diffusers loads LoRA into")
-        config = _create_lora_config(sd, alphas, meta, rank, is_unet=is_unet,
-                                     model_state_dict=None if not is_unet else module.state_dict())
-        return self._factors_of(component, module, sd, config)
-
-    def _factors_of(self, component: str, module: torch.nn.Module, sd: dict, config) -> list[_Factors]:
-        from peft.utils.other import get_pattern_key
-
-        if config.use_dora:
-            raise AdapterError(f"{component}: a DoRA adapter (magnitude vectors): not served")
-        if getattr(config, "lora_bias", False):
-            raise AdapterError(f"{component}: a LoRA with lora_B biases: not served")
-        layers = self._layers[component]
-        targets: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in sd.items():
-            target, sep, rest = key.partition(".lora_")
-            if not sep or rest not in ("A.weight", "B.weight"):
-                raise AdapterError(f"{component}: weight {key!r} is not a LoRA A/B matrix (only plain LoRA "
-                                   "on Linear and Conv2d layers is served)")
-            targets.setdefault(target, {})[rest[0]] = value
-        out = []
-        for target, ab in sorted(targets.items()):
-            if set(ab) != {"A", "B"}:
-                raise AdapterError(f"{component}: {target} has lora_{'A' if 'A' in ab else 'B'} only")
-            layer = layers.get(target)
-            if layer is None:
-                try:
-                    found = module.get_submodule(target)
-                except AttributeError:
-                    raise AdapterError(f"targets {component} module {target!r}, which this model lacks") from None
-                raise AdapterError(f"targets {component}.{target}, a {type(found).__name__}: LoRA is served on "
-                                   "Linear and (ungrouped) Conv2d layers only")
-            A, B = ab["A"], ab["B"]
-            r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
-            if int(A.shape[0]) > self.max_rank:
-                raise AdapterError(f"{component}.{target} has rank {int(A.shape[0])}; this engine serves ranks up "
-                                   f"to {self.max_rank}")
-            alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
-            w = layer.weights
-            if isinstance(layer, LoraConv2d):
-                want_a, want_b = (r, w.in_features, *w.kernel_size), (w.out_features, r, 1, 1)
-            else:
-                want_a, want_b = (r, w.in_features), (w.out_features, r)
-            if tuple(A.shape) != want_a or tuple(B.shape) != want_b:
-                raise AdapterError(f"{component}.{target}: LoRA shapes A {tuple(A.shape)} B {tuple(B.shape)} do not "
-                                   f"fit the layer (rank {r}: A {want_a}, B {want_b})")
-            scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
-            out.append(_Factors(component, target, A, B.reshape(B.shape[0], r), float(scaling)))
-        return out
 
     # ---- the interface the core uses ------------------------------------------------------------
 
@@ -712,13 +559,13 @@ class AdapterPool:
         self.misses += 1
         adapter.unreferenced_load = True
 
-    def _stage(self, name: str, path: pathlib.Path) -> tuple[tuple, list[_Factors]]:
+    def _stage(self, name: str, path: pathlib.Path) -> tuple[tuple, list[Factors]]:
         """(The loader thread.) The file read with diffusers' steps and its factors copied
         to the layers' device and dtype, completely (the busy loop only points at them).
         Returns the file's signature as read, and the factors."""
-        before = _file_signature(path)
-        factors = self._read(path)
-        if _file_signature(path) != before:
+        before = file_signature(path)
+        factors = self.reader.read(path)
+        if file_signature(path) != before:
             raise AdapterError("its file changed while it was read")
         device = next(iter(self._layers[self.denoiser_name].values())).weights.device
         stream = None
@@ -774,7 +621,7 @@ class AdapterPool:
             self._install(adapter, staged)
             adapter.signature, adapter.hold_until = signature, time.monotonic() + LOADED_HOLD_S
 
-    def _install(self, adapter: _Adapter, staged: list[_Factors]) -> None:
+    def _install(self, adapter: _Adapter, staged: list[Factors]) -> None:
         slot = adapter.slot
         try:
             for f in staged:
