@@ -106,10 +106,13 @@ def params_of(entry: dict):
 
 # ---- the systems -----------------------------------------------------------------------------
 
-def make_core(system: str, model, slots: int):
+def make_core(system: str, model, slots: int, max_queue: int = 1 << 16):
+    """The engine core of `system` on `model.device`: keyed puts a request's ControlNet
+    names in its group key; mixed and all-rows are the engine as it is (all-rows runs under
+    `every_row`)."""
     from engine.core import CoreConfig, EngineCore
 
-    config = CoreConfig(slots=slots, max_queue=1 << 16, max_groups=32)
+    config = CoreConfig(slots=slots, device=str(model.device), max_queue=max_queue, max_groups=32)
     if system == "keyed":
         class ControlNetKeyedCore(EngineCore):
             """Requests share a call only with requests of the same ControlNets."""

@@ -50,9 +50,9 @@ import torch
 from diffusers import ControlNetModel, UNet2DConditionModel
 from PIL import Image
 
-from bench.controlnet import (GUIDANCE, NETS, SAMPLER, STEP_CLASSES, SYSTEMS, counting_calls, every_row, make_trace,
+from bench.controlnet import (GUIDANCE, NETS, SAMPLER, STEP_CLASSES, SYSTEMS, every_row, make_core, make_trace,
                               silhouette)
-from engine.core import CoreConfig, DenoiseFinished, EngineCore, RequestFailed
+from engine.core import DenoiseFinished, RequestFailed
 from engine.core.input_kinds.controls import ControlSlot, ControlSlots
 from engine.models.controlnet import ControlEntry, check_controlnet, control_factors
 from engine.models.geometry import Geometry
@@ -268,18 +268,7 @@ def call_costs(model, slots: int = SLOTS, share: float = SHARE, samples: int = 1
 # ---- (b) a saturated trace -------------------------------------------------------------------
 
 def system_core(system: str, model, slots: int, requests: int):
-    """`bench/controlnet.py`'s systems on `model.device`: keyed puts a request's ControlNet
-    names in its group key; all-rows is mixed under `every_row`."""
-    config = CoreConfig(slots=slots, device=str(model.device), max_queue=requests + 1, max_groups=32)
-    if system == "keyed":
-        class ControlNetKeyedCore(EngineCore):
-            def add_request(self, request_id, params, arrival_time=None, partial_images=0):
-                super().add_request(request_id, params, arrival_time, partial_images)
-                request = self.requests[request_id]
-                request.group_key = (*request.group_key, ("controls", tuple(c.name for c in params.controls)))
-
-        return counting_calls(ControlNetKeyedCore(model, config))
-    return counting_calls(EngineCore(model, config))
+    return make_core(system, model, slots, max_queue=requests + 1)
 
 
 def burst(requests: int, share: float, seed: int) -> list[dict]:
