@@ -4,7 +4,8 @@ from engine.protocol import (
     Timings,
 )
 from frontend.async_client import AsyncClient
-from frontend.client import AuthenticationError, Client, EngineDeadError, RequestHandle
+from frontend.client import AuthenticationError, Client, EngineDeadError
+from frontend.request_handle import RequestHandle
 
 __all__ = [
     "Client", "AsyncClient", "RequestHandle", "GenerateParams", "StepCache", "Control", "Accepted", "Progress",

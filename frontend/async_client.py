@@ -6,7 +6,8 @@ import concurrent.futures
 from typing import Any, Callable
 
 from engine.protocol import GenerateParams, HealthReply, PartialImage, Progress
-from frontend.client import Client, Result
+from frontend.client import Client
+from frontend.request_handle import Result
 
 
 class AsyncClient:

@@ -44,29 +44,27 @@ import collections
 import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
-    PROTOCOL_VERSION, TERMINAL, Accepted, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
+    PROTOCOL_VERSION, TERMINAL, Cancel, Canceled, Completed, Delivered, EngineDead, Failed,
     GenerateParams, Goodbye, Health, HealthReply, Heartbeat, Hello, PartialImage, Progress, ProgressBatch, Rejected,
     Stats, StatsReply, Submit, Welcome, encoder, engine_decoder, frame_paths, split_frames,
 )
 from engine.serve import transport
 from engine.serve.transport import CurveKeys, load_curve_keys
+from frontend.request_handle import RequestHandle, Result
 
 log = logging.getLogger("diffslot.client")
 
-Result = Completed | Canceled | Rejected | Failed
-_END = object()  # closes a handle's progress stream
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 CURVE_SERVER_KEY_ENV = "DIFFSLOT_CURVE_SERVER_KEY"
@@ -87,122 +85,6 @@ class EngineDeadError(ConnectionError):
 
 class AuthenticationError(ConnectionError):
     """The engine refused this client's token (or wants one and got none)."""
-
-
-class RequestHandle:
-    """One submitted request. Thread-safe; results are filled in by the client's IO thread."""
-
-    def __init__(self, client: "Client", request_id: str):
-        self.request_id = request_id
-        self.submitted_at = time.monotonic()
-        self.accepted_at: float | None = None  # when Accepted arrived (client clock)
-        self._client = client
-        self._progress: queue.SimpleQueue = queue.SimpleQueue()
-        self._partials: queue.SimpleQueue = queue.SimpleQueue()
-        self._partial_callbacks: list[Callable[[PartialImage], None]] = []
-        self._accepted: Accepted | None = None
-        self._accepted_event = threading.Event()
-        self._done = threading.Event()
-        self._result: Result | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[RequestHandle], None]] = []
-        self._lock = threading.Lock()
-        self.partial_images_received = 0  # written by the IO thread only
-
-    def progress(self, timeout: float | None = None) -> Iterator[Progress]:
-        """Progress(step, total) after each denoising step, until the request ends.
-        Raises EngineDeadError if the engine dies meanwhile, TimeoutError if nothing
-        arrives within `timeout` seconds."""
-        return self._stream(self._progress, "progress", timeout)
-
-    def partial_images(self, timeout: float | None = None) -> Iterator[PartialImage]:
-        """The partial images asked for at submit (`PartialImage(index, step, total)` with
-        `.image`, PNG bytes of the decoded clean-image estimate), until the request ends."""
-        return self._stream(self._partials, "partial image", timeout)
-
-    def _stream(self, items: queue.SimpleQueue, what: str, timeout: float | None):
-        while True:
-            try:
-                item = items.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no {what} on request {self.request_id} within {timeout}s") from None
-            if item is _END:
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
-
-    def on_partial_image(self, fn: Callable[[PartialImage], None]) -> None:
-        """Call fn(partial image) as each arrives (on the client's IO thread)."""
-        self._partial_callbacks.append(fn)
-
-    def result(self, timeout: float | None = None) -> Result:
-        """Completed | Canceled | Rejected | Failed. Raises EngineDeadError if the
-        engine died first, TimeoutError if `timeout` passes (the request goes on)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def accepted(self, timeout: float | None = None) -> Accepted | None:
-        """Wait until the engine accepted the request; None if it ended without (Rejected)."""
-        if not self._accepted_event.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} not accepted within {timeout}s")
-        if self._accepted is None and self._error is not None:
-            raise self._error
-        return self._accepted
-
-    def cancel(self) -> None:
-        """Ask the engine to cancel; the result becomes Canceled unless it already finished.
-        Idempotent, and safe to race with completion."""
-        if not self._done.is_set():
-            self._client._send_soon(Cancel(self.request_id))
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
-        """Call fn(handle) when the request ends (on the client's IO thread, or now)."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    # ------------------------------------------------------------ IO thread side
-    def _deliver(self, msg) -> None:
-        if isinstance(msg, Progress):
-            self._progress.put(msg)
-        elif isinstance(msg, PartialImage):
-            self.partial_images_received += 1
-            self._partials.put(msg)
-            for fn in self._partial_callbacks:
-                try:
-                    fn(msg)
-                except Exception:
-                    log.exception("partial image callback of request %s failed", self.request_id)
-        elif isinstance(msg, Accepted):
-            self._accepted, self.accepted_at = msg, time.monotonic()
-            self._accepted_event.set()
-        else:
-            self._finish(msg, None)
-
-    def _finish(self, result: Result | None, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._result, self._error = result, error
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        self._accepted_event.set()
-        self._progress.put(_END)
-        self._partials.put(_END)
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:
-                log.exception("done callback of request %s failed", self.request_id)
 
 
 #: how long a client waits for something to listen at its address before it fails: an
