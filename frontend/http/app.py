@@ -59,10 +59,12 @@ from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics, MetricsMiddleware
 from frontend.http.options import BatchOptions, GatewayLimits, StoreOptions
 from frontend.http.priorities import PRIORITY_HEADER, PriorityPolicy
+from frontend.http.responses import (
+    Health, ImagesResponse, ModelList, completed_event, error_responses, images_response, models_response,
+    ok_response, openapi_components, partial_image_event, schema_ref,
+)
 from frontend.http.schemas import (
-    Generation, Health, ImageEditRequest, ImageGenerationRequest, ImagesResponse, ModelList, check_fits,
-    completed_event, error_responses, images_response, models_response, ok_response, openapi_components, parse_edit,
-    parse_generation, partial_image_event, schema_ref,
+    Generation, ImageEditRequest, ImageGenerationRequest, check_fits, parse_edit, parse_generation,
 )
 from frontend.http.webhooks import WebhookSender, webhook_secret
 

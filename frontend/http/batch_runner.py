@@ -27,7 +27,8 @@ from frontend.http.link import EngineLink
 from frontend.http.metrics import GatewayMetrics
 from frontend.http.options import BatchOptions
 from frontend.http.priorities import PriorityPolicy
-from frontend.http.schemas import check_fits, images_body, parse_generation
+from frontend.http.responses import images_body
+from frontend.http.schemas import check_fits, parse_generation
 from frontend.http.webhooks import WebhookSender, batch_event
 
 log = logging.getLogger("diffslot.http")

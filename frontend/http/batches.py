@@ -33,9 +33,8 @@ from frontend.http.job_store import batch_object, file_object, new_id
 from frontend.http.link import EngineLink
 from frontend.http.options import BatchOptions, GatewayLimits
 from frontend.http.output_store import LOCAL_LINK_PREFIX, LocalStore, checked_name
-from frontend.http.schemas import (
-    check_fits, decode_error, error_responses, form_parts, ok_response, parse_generation, schema_ref,
-)
+from frontend.http.responses import error_responses, ok_response, schema_ref
+from frontend.http.schemas import check_fits, decode_error, form_parts, parse_generation
 
 FILES_PATH = "/v1/files"
 BATCH_ENDPOINTS = ("/v1/images/generations",)
