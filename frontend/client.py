@@ -202,7 +202,7 @@ class Client:
         many decoded previews of the clean-image estimate (handle.partial_images(), or
         `on_partial_image` called on the IO thread, registered before the request is sent)."""
         request_id = request_id or uuid.uuid4().hex
-        handle = RequestHandle(self, request_id)
+        handle = RequestHandle(self._send_soon, request_id)
         if on_partial_image is not None:
             handle.on_partial_image(on_partial_image)
         params, inputs, frames, refusal = self._split_inputs(params)

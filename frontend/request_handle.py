@@ -7,12 +7,9 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from engine.protocol import Accepted, Cancel, Canceled, Completed, Failed, PartialImage, Progress, Rejected
-
-if TYPE_CHECKING:
-    from frontend.client import Client
 
 log = logging.getLogger("diffslot.client")
 
@@ -23,11 +20,12 @@ _END = object()  # closes a handle's progress stream
 class RequestHandle:
     """One submitted request. Thread-safe; results are filled in by the client's IO thread."""
 
-    def __init__(self, client: "Client", request_id: str):
+    def __init__(self, send_soon: Callable[[Any], None], request_id: str):
+        """`send_soon`: queues a message for the client's IO thread to send (a cancel)."""
         self.request_id = request_id
         self.submitted_at = time.monotonic()
         self.accepted_at: float | None = None  # when Accepted arrived (client clock)
-        self._client = client
+        self._send_soon = send_soon
         self._progress: queue.SimpleQueue = queue.SimpleQueue()
         self._partials: queue.SimpleQueue = queue.SimpleQueue()
         self._partial_callbacks: list[Callable[[PartialImage], None]] = []
@@ -88,7 +86,7 @@ class RequestHandle:
         """Ask the engine to cancel; the result becomes Canceled unless it already finished.
         Idempotent, and safe to race with completion."""
         if not self._done.is_set():
-            self._client._send_soon(Cancel(self.request_id))
+            self._send_soon(Cancel(self.request_id))
 
     def done(self) -> bool:
         return self._done.is_set()
