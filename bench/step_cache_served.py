@@ -2,7 +2,7 @@
 after every step, a Poisson trace with cancels, one engine process and its decode worker.
 
     python bench/step_cache_served.py [--model shapes-dit] [--cache mag:0.06] [--requests 48]
-                                      [--rate 2.5] [--cancel-share 0.1] [--repeats 2] [--size 32] [--quick]
+                                      [--rate 4] [--cancel-share 0.1] [--repeats 2] [--size 32] [--quick]
 
 One `python -m engine serve` on loopback (an ipc socket, CPU), one `AsyncClient`. The same
 trace — prompts, seeds, 20 or 30 steps, arrivals, and which requests are canceled when —
@@ -12,8 +12,9 @@ Reported per run: completed and canceled requests, goodput (completed images per
 from the first arrival to the last answer), p50 and p90 time to usable output (send →
 PNG in hand), steps skipped per completed request, the evaluations canceled requests
 had cost (wasted work), and the share of PNGs the shapes classifier reads as their prompt.
-The `--rate` default is about 1.3× the uncached engine's saturated capacity on a 2-core
-CPU (bench/RESULTS.md: 1.87 requests/s), so the uncached run queues.
+The `--rate` default is about twice the uncached engine's saturated capacity on a 2-core
+CPU (bench/RESULTS.md: about 2 requests/s), so the uncached run queues and goodput
+measures the engine, not the arrivals.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="shapes-dit")
     ap.add_argument("--cache", default="mag:0.06", help="the cached runs' setting, as `serve --cache` takes it")
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=2.5, help="arrivals per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second (Poisson)")
     ap.add_argument("--cancel-share", type=float, default=0.1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--slots", type=int, default=8)
