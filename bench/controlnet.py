@@ -7,7 +7,7 @@ trace, side by side in one process.
 
 Model: the embedded `shapes` folder (`StableDiffusionPipeline`, UNet at 8×8 latents) and
 two random ControlNets built from its UNet as diffusers' tests build them
-(`engine.testing.tiny_pipelines.build_controlnet`: `ControlNetModel.from_unet`, the
+(`engine.testing.tiny_conditioning.build_controlnet`: `ControlNetModel.from_unet`, the
 zero-initialised projections made random), written to a temporary folder. Outputs are
 `latent` (arrival → final latents: the figures isolate the denoiser). One torch thread by
 default (`--threads`).
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     from engine.models.controlnet import attach_controlnets
     from engine.models.loading import load_model
     from engine.testing.pipeline_oracle import rel_l2
-    from engine.testing.tiny_pipelines import build_controlnet
+    from engine.testing.tiny_conditioning import build_controlnet
 
     with tempfile.TemporaryDirectory(prefix="controlnet-bench-") as tmp:
         paths = {name: build_controlnet(pathlib.Path(tmp) / name, SHAPES_DIR, seed=k + 1)

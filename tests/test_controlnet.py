@@ -25,7 +25,8 @@ from engine.models.controlnet import attach_controlnets, load_controlnet
 from engine.models.loading import load_model
 from engine.protocol import Control, GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, rel_l2
-from engine.testing.tiny_pipelines import build_controlnet, build_flux, build_sd, build_sdxl
+from engine.testing.tiny_conditioning import build_controlnet
+from engine.testing.tiny_pipelines import build_flux, build_sd, build_sdxl
 
 from core_driver import run_to_end
 
@@ -598,7 +599,7 @@ def test_controls_and_ip_images_through_the_engine_process_the_client_http_and_t
     rng = random.Random("interfaces")
     nets = folders["sd-nets"]
     edges, other = control_image(rng), control_image(rng)
-    from engine.testing.tiny_pipelines import build_ip_adapter
+    from engine.testing.tiny_conditioning import build_ip_adapter
 
     ip_folder = build_ip_adapter(tmp_path / "ip", folders["sd"], seed=5)
     picture = control_image(rng)

@@ -25,7 +25,8 @@ from engine.models.controlnet import attach_controlnets, load_controlnet
 from engine.models.loading import load_model
 from engine.protocol import Control, GenerateParams
 from engine.testing.pipeline_oracle import load_pipeline, oracle_scheduler, pipeline_output_of, rel_l2
-from engine.testing.tiny_pipelines import build_controlnet, build_sd, build_sd3
+from engine.testing.tiny_conditioning import build_controlnet
+from engine.testing.tiny_pipelines import build_sd, build_sd3
 
 from core_driver import run_to_end
 from test_controlnet import _oracle_net, _pil, control_image, encode_alone, msgspec_replace

@@ -22,7 +22,8 @@ from engine.models.ip_adapter import attach_ip_adapter
 from engine.models.loading import load_model
 from engine.protocol import Control, GenerateParams
 from engine.testing.pipeline_oracle import pipeline_output_of, rel_l2
-from engine.testing.tiny_pipelines import build_controlnet, build_ip_adapter, build_sd, build_sdxl
+from engine.testing.tiny_conditioning import build_controlnet, build_ip_adapter
+from engine.testing.tiny_pipelines import build_sd, build_sdxl
 
 from core_driver import run_to_end
 

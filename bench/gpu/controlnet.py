@@ -3,7 +3,7 @@
 instead of two with --quick: real widths, the ratios rather than the absolute rates) in
 the engine's own `StableDiffusionModel`, and two ControlNets built from it as diffusers'
 tests build them (`ControlNetModel.from_unet`, the zero-initialised projections made
-random, as `engine.testing.tiny_pipelines.build_controlnet` does: otherwise their
+random, as `engine.testing.tiny_conditioning.build_controlnet` does: otherwise their
 residuals are zeros and the equality checks below would show nothing).
 
 The three systems of `bench/controlnet.py`, side by side in one run:
