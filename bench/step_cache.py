@@ -2,7 +2,7 @@
 several settings, side by side in one run.
 
     python bench/step_cache.py [--model shapes-dit] [--requests 48] [--slots 8] [--steps 20]
-                               [--threads 2] [--quick]
+                               [--threads 2] [--quick | --configs off,mag:0.04,...]
 
 Driven through the engine's own loop (`EngineCore`: every request added at t = 0, then
 `step()` until all are done: the saturated case), `latent` outputs decoded afterwards by
@@ -84,6 +84,24 @@ def configurations(ratios: list[float], quick: bool) -> dict[str, StepCache | No
     return configs
 
 
+def named_configuration(text: str, ratios: list[float]) -> tuple[str, StepCache | None]:
+    """`off`, `first_block:T`, `mag:T`, `taylorseer:INTERVAL/BEFORE` or `taylorseer-lite:INTERVAL/BEFORE`
+    → (its table name, its cache)."""
+    kind, _, value = text.partition(":")
+    if kind == "off":
+        return "off", None
+    if kind in ("taylorseer", "taylorseer-lite"):
+        interval, _, before = value.partition("/")
+        return f"{kind} {interval}/{before}", StepCache("taylorseer", cache_interval=int(interval),
+                                                        disable_cache_before_step=int(before),
+                                                        use_lite_mode=kind == "taylorseer-lite" or None)
+    if kind not in ("first_block", "mag"):
+        raise ValueError(f"{text!r}: off, first_block:T, mag:T, taylorseer:INTERVAL/BEFORE or "
+                         "taylorseer-lite:INTERVAL/BEFORE")
+    extra = {"mag_ratios": tuple(ratios)} if kind == "mag" else {}
+    return f"{kind} {float(value):g}", StepCache(kind, threshold=float(value), **extra)
+
+
 def run(model, jobs, cache: StepCache | None, slots: int) -> dict:
     core = EngineCore(model, CoreConfig(slots=slots, max_queue=len(jobs) + 1))
     with_cache = [(rid, p if cache is None else GenerateParams(**{**_fields(p), "cache": cache})) for rid, p in jobs]
@@ -126,6 +144,9 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=int, default=None, help="image side in pixels (default: the model's native)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="4 configurations")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated instead of the fixed list: off, first_block:T, mag:T, "
+                         "taylorseer:INTERVAL/BEFORE, taylorseer-lite:INTERVAL/BEFORE (the first is the baseline)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = resolve(args.model)
@@ -138,7 +159,9 @@ def main(argv=None) -> None:
     order = [rid for rid, _ in jobs]
     wanted = [p.prompt.removeprefix("a ") for _, p in jobs]
     rows, baseline = [], None
-    for name, cache in configurations(list(ratios), args.quick).items():
+    configs = configurations(list(ratios), args.quick) if args.configs is None else \
+        dict(named_configuration(c, list(ratios)) for c in args.configs.split(","))
+    for name, cache in configs.items():
         got = run(model, jobs, cache, args.slots)
         images = images_of(model, got["results"], order)
         readable = images.shape[1:3] == (32, 32)  # the classifier reads the shapes' 32×32 drawings

@@ -48,8 +48,8 @@ CORE_FLAGS = {
     "parked_budget_bytes": flag("--parked-budget-bytes", metavar="N",
                                 help="host bytes for parked requests' slot state (default: the trajectory budget)"),
     "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
-                  help="the step cache of requests that name none: first_block, mag or taylorseer (diffusers' "
-                       "defaults), decided per request; a request's cache=off turns it off"),
+                  help="the step cache of requests that name none: first_block, mag, taylorseer or taylorseer:lite "
+                       "(diffusers' defaults), decided per request; a request's cache=off turns it off"),
     "cuda_graphs": flag("--no-cuda-graphs", negate=True,
                         help="with --layout bucketed on CUDA, launch the denoiser eagerly instead of replaying one "
                              "CUDA graph per bucket"),

@@ -88,17 +88,24 @@ class StepCache(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_
     disable_cache_after_step: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None  # taylorseer (None)
     max_order: Annotated[int, msgspec.Meta(ge=0, le=4)] | None = None  # taylorseer (1)
     factors_dtype: str | None = None  # taylorseer: bfloat16 (diffusers' default), float16 or float32
+    # taylorseer (False): TaylorSeer Lite, which skips every block on a prediction step and
+    # extrapolates the transformer's output projection instead of each attention's output
+    use_lite_mode: bool | None = None
 
 
 def parse_step_cache(text: str) -> StepCache:
-    """`KIND[:THRESHOLD]` (the `--cache` flags) → a `StepCache`; ValueError saying what is wrong."""
+    """`KIND[:THRESHOLD]` or `taylorseer:lite` (the `--cache` flags) → a `StepCache`;
+    ValueError saying what is wrong."""
     kind, _, threshold = text.partition(":")
     if kind not in STEP_CACHE_KINDS:
         raise ValueError(f"cache kind {kind!r} is not one of {', '.join(STEP_CACHE_KINDS)}")
     if not threshold:
         return StepCache(kind=kind)
+    if kind == "taylorseer" and threshold == "lite":
+        return StepCache(kind=kind, use_lite_mode=True)
     if kind not in ("first_block", "mag"):
-        raise ValueError(f"cache kind {kind} takes no threshold")
+        raise ValueError(f"cache kind {kind} takes no threshold" + (" (taylorseer:lite is its lite mode)"
+                                                                      if kind == "taylorseer" else ""))
     try:
         return StepCache(kind=kind, threshold=float(threshold))
     except ValueError:

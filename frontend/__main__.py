@@ -37,7 +37,8 @@ PARAM_FLAGS = {
     "true_cfg": flag("--true-cfg", help="FLUX: the pipeline's true_cfg_scale"),
     "strength": flag("--strength", help="with --image: how far from it to start, (0, 1] (default: the pipeline's)"),
     "cache": flag("--cache", metavar="KIND[:THRESHOLD]", parse=parse_step_cache,
-                  help="a step cache for this request: first_block, mag, taylorseer, or off (default: the server's)"),
+                  help="a step cache for this request: first_block, mag, taylorseer, taylorseer:lite, or off "
+                       "(default: the server's)"),
     "guess_mode": flag("--guess-mode", help="with --control: SD/SDXL ControlNet guess mode"),
     "ip_scale": flag("--ip-scale", help="with --ip-image: the IP-Adapter's scale"),
 }

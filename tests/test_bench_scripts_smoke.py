@@ -96,12 +96,31 @@ def test_step_cache_quick(tmp_path):
     folder = build_flux(tmp_path / "flux", seed=3, layers=2, single_layers=2)
     lines = run_script("step_cache.py", tmp_path, "--model", str(folder), "--requests", "6", "--slots", "4",
                        "--steps", "4", "--size", "16")
-    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
-                                              if line.startswith("| ") and not line.startswith("| cache"))}
+    rows = _cache_rows(lines)
     assert set(rows) == {"off", "first_block 0.1", "mag 0.06", "taylorseer 2/2"}, lines
     assert rows["off"][1] == "1.00" and float(rows["off"][3]) == 0.0
     assert float(rows["mag 0.06"][3]) > 0 and float(rows["mag 0.06"][2]) < float(rows["off"][2]), lines
     assert all(float(cells[0]) > 0 for cells in rows.values())
+
+
+def _cache_rows(lines: list[str]) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                              if line.startswith("| ") and not line.startswith("| cache"))}
+
+
+@pytest.mark.timeout(300)
+def test_step_cache_named_configurations(tmp_path):
+    """`--configs` runs the settings it names, the first as the baseline; TaylorSeer Lite's
+    rows skip every block on its prediction steps."""
+    from engine.testing.tiny_pipelines import build_flux
+
+    folder = build_flux(tmp_path / "flux", seed=3, layers=2, single_layers=2)
+    lines = run_script("step_cache.py", tmp_path, "--model", str(folder), "--requests", "4", "--slots", "4",
+                       "--steps", "4", "--size", "16", "--configs", "off,mag:0.06,taylorseer-lite:2/1")
+    rows = _cache_rows(lines)
+    assert list(rows) == ["off", "mag 0.06", "taylorseer-lite 2/1"], lines
+    lite = rows["taylorseer-lite 2/1"]
+    assert float(lite[3]) > 0 and float(lite[2]) < float(rows["off"][2]), lines
 
 
 @pytest.mark.timeout(300)

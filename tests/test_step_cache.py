@@ -80,6 +80,10 @@ ALONE = {
                                                cache=StepCache("first_block", threshold=0.3))),
     "flux-mag": ("flux", dict(cache=StepCache("mag", threshold=0.5))),
     "flux-taylorseer": ("flux", dict(cache=StepCache("taylorseer", cache_interval=2, disable_cache_before_step=2))),
+    "flux-taylorseer-lite-true-cfg": ("flux", dict(negative_prompt="blurry", true_cfg=3.0, cache=StepCache(
+        "taylorseer", cache_interval=2, disable_cache_before_step=2, use_lite_mode=True))),
+    "sd3-taylorseer-lite-cfg": ("sd3", dict(guidance=4.0, cache=StepCache(
+        "taylorseer", cache_interval=3, disable_cache_before_step=2, max_order=2, use_lite_mode=True))),
     "sd3-first_block-cfg": ("sd3", dict(guidance=4.0, cache=StepCache("first_block", threshold=0.3))),
     "sd3-mag-cfg": ("sd3", dict(guidance=4.0, cache=StepCache("mag", threshold=0.5, mag_ratios=MAG_RATIOS))),
     "sd3-taylorseer-one-row": ("sd3", dict(guidance=1.0, cache=StepCache("taylorseer", cache_interval=2,
@@ -129,7 +133,8 @@ def _mixed(rng: random.Random, count: int) -> dict[str, GenerateParams]:
     caches = [None, StepCache("first_block", threshold=0.15), StepCache("first_block", threshold=0.4),
               StepCache("mag", threshold=0.3), StepCache("mag", threshold=0.8, max_skip_steps=2),
               StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1),
-              StepCache("taylorseer", cache_interval=3, disable_cache_before_step=2, max_order=2)]
+              StepCache("taylorseer", cache_interval=3, disable_cache_before_step=2, max_order=2),
+              StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1, use_lite_mode=True)]
     cases = {}
     for k in range(count):
         fields = dict(prompt=rng.choice(["a red circle", "a big blue cat", "the small green dog", ""]),
@@ -243,6 +248,7 @@ def test_the_server_default_and_off(folders, patterns):
     (StepCache("taylorseer", threshold=0.1), "takes no threshold"),
     (StepCache("taylorseer", cache_interval=0), "cache_interval"),
     (StepCache("taylorseer", factors_dtype="int8"), "factors_dtype"),
+    (StepCache("mag", use_lite_mode=True), "takes no use_lite_mode"),
     (StepCache("mag", mag_ratios=(1.0, float("nan"))), "finite"),
 ])
 def test_bad_caches_are_rejected_naming_cache(folders, cache, why):
@@ -276,7 +282,8 @@ def test_admission_reserves_the_cache_state(folders):
     model = model_of(folders["flux"])
     core = EngineCore(model, CoreConfig(slots=2))
     plain = core.intake.request("a", params(), 0.0).reservation.trajectory_bytes
-    for cache in (StepCache("first_block"), StepCache("mag"), StepCache("taylorseer", max_order=2)):
+    for cache in (StepCache("first_block"), StepCache("mag"), StepCache("taylorseer", max_order=2),
+                  StepCache("taylorseer", max_order=2, use_lite_mode=True)):
         p = params(negative_prompt="x", true_cfg=2.0, cache=cache)
         request = core.intake.request("b", p, 0.0)
         extra = request.reservation.trajectory_bytes - core.intake.request("c", params(
@@ -303,7 +310,8 @@ def test_the_flag_and_the_http_extra_carry_a_cache():
 
     assert parse_step_cache("first_block:0.12") == StepCache("first_block", threshold=0.12)
     assert parse_step_cache("taylorseer") == StepCache("taylorseer")
-    for bad in ("deep", "taylorseer:0.1", "mag:x"):
+    assert parse_step_cache("taylorseer:lite") == StepCache("taylorseer", use_lite_mode=True)
+    for bad in ("deep", "taylorseer:0.1", "mag:x", "mag:lite", "first_block:lite"):
         with pytest.raises(ValueError):
             parse_step_cache(bad)
     body = json.dumps({"prompt": "a red circle", "cache": {"kind": "mag", "threshold": 0.2}}).encode()
@@ -406,6 +414,9 @@ def test_qwen_image_requests_of_different_prompt_lengths_cache_as_alone(qwen, pa
                                     true_cfg=3.0, seed=2, cache=fbc),
         "taylor-long": qwen_params(prompt="a photo of a yellow cross on the small green dog", seed=3, cache=taylor),
         "mag-mid": qwen_params(prompt="a big blue cat", seed=4, steps=6, cache=mag),
+        "lite-cfg": qwen_params(prompt="a yellow cross", negative_prompt="", true_cfg=2.0, seed=7,
+                                cache=StepCache("taylorseer", cache_interval=2, disable_cache_before_step=2,
+                                                use_lite_mode=True)),
         "plain": qwen_params(prompt="a red circle and a big blue cat", seed=5),
     }
     alone = EngineCore(model, CoreConfig(slots=2))

@@ -13,6 +13,7 @@ import functools
 import importlib
 import inspect
 import json
+import math
 import pathlib
 from typing import Sequence
 
@@ -294,6 +295,8 @@ class DiffusionModel:
         if settings.kind == "mag":
             return image * width * item
         factor = torch.empty((), dtype=settings.taylor_factors_dtype).element_size()
+        if settings.lite:  # the transformer's output rows: as many numbers as the latents
+            return (settings.max_order + 1) * math.prod(latent_shape) * factor
         return len(self.row_cache.attention) * (settings.max_order + 1) * (image + text) * width * factor
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

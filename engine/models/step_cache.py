@@ -13,7 +13,10 @@ that request's pipeline call alone, and the rows that skip work drop out of the 
 * `mag`: a unit skips every block on the steps its magnitude-ratio schedule allows
   (decided on the host, from the step alone); its rows take the cached residual.
 * `taylorseer`: every attention module predicts its output from Taylor factors on the
-  unit's prediction steps; the other rows run the attention.
+  unit's prediction steps; the other rows run the attention. In its lite mode
+  (`use_lite_mode`) a unit skips every block on its prediction steps and its rows of the
+  transformer's output are extrapolated instead (diffusers hooks `proj_out`, the last
+  thing the transformer computes before reshaping its rows: the same values).
 
 `RowCache` hooks the transformer's blocks and attention modules once (diffusers'
 `HookRegistry`, pass-through when no call is bound); the runner binds a `CacheCall`
@@ -95,7 +98,8 @@ class UnitState:
             return "first_block"
         if kind == "mag":
             return "mag_compute" if self.mag_computes() else "mag_skip"
-        return "taylor_compute" if self.taylor_computes() else "taylor_predict"
+        prefix = "lite" if self.settings.lite else "taylor"
+        return f"{prefix}_compute" if self.taylor_computes() else f"{prefix}_predict"
 
     def mag_computes(self) -> bool:
         """MagCache's head-hook decision for this call (it updates the accumulators as the
@@ -133,12 +137,18 @@ class UnitCall:
 
     rows: list[int]
     state: UnitState
-    mode: str  # first_block | mag_skip | mag_compute | taylor_compute | taylor_predict
+    mode: str  # first_block | mag_skip | mag_compute | taylor_compute | taylor_predict | lite_compute | lite_predict
     hit: bool = False
     slot: int = -1  # the slot whose request it belongs to
     # its prompt's own text length: a call pads its rows' texts to the longest (Qwen-Image),
     # and the state keeps the text part at the unit's own length, as its pipeline call alone
     text_length: int | None = None
+
+
+#: the modes decided before the call that skip work (first_block decides inside it)
+SKIPPING_MODES = ("mag_skip", "taylor_predict", "lite_predict")
+#: the modes whose rows skip every block
+ALL_BLOCKS_SKIPPED = ("mag_skip", "lite_predict")
 
 
 class CacheCall:
@@ -149,9 +159,10 @@ class CacheCall:
         self.by_mode: dict[str, list[UnitCall]] = {}
         for unit in units:
             self.by_mode.setdefault(unit.mode, []).append(unit)
-            unit.hit = unit.mode in ("mag_skip", "taylor_predict")  # first_block decides in the call
+            unit.hit = unit.mode in SKIPPING_MODES  # first_block decides in the call
         self.has_taylor = any(m.startswith("taylor") for m in self.by_mode)
-        self.block_caching = any(m in ("first_block", "mag_skip", "mag_compute") for m in self.by_mode)
+        self.has_lite = any(m.startswith("lite") for m in self.by_mode)
+        self.block_caching = any(m in ("first_block", "mag_skip", "mag_compute", "lite_predict") for m in self.by_mode)
         self.rebind: Callable[[torch.Tensor | None], None] = lambda index: None
         self.current: list[int] = list(range(rows))  # the call's rows each block sees, in order
         self.skip_tail = False
@@ -237,6 +248,8 @@ class RowCache:
                 HookRegistry.check_if_exists_or_initialize(module).register_hook(
                     _AttentionHook(self, name), "diffslot_row_cache_attention")
                 self.attention.append(name)
+        HookRegistry.check_if_exists_or_initialize(self.transformer).register_hook(
+            _OutputHook(self), "diffslot_row_cache_output")
 
     @contextlib.contextmanager
     def bound(self, call: CacheCall, rebind: Callable[[torch.Tensor | None], None] | None = None):
@@ -333,10 +346,8 @@ class _BlockHook(ModelHook):
         hidden = kwargs["hidden_states"]
         device = hidden.device
         call.head_in = (hidden, kwargs.get("encoder_hidden_states"))
-        skip_all = {r for u in call.units_of("mag_skip") for r in u.rows}
+        skip_all = {r for u in call.units_of(*ALL_BLOCKS_SKIPPED) for r in u.rows}
         call.head_rows = [r for r in range(call.rows) if r not in skip_all]
-        for unit in call.units_of("mag_skip"):
-            unit.hit = True
         call.current = call.head_rows
         if len(call.head_rows) == call.rows:
             head_kwargs = kwargs
@@ -407,9 +418,11 @@ class _BlockHook(ModelHook):
         for unit in call.units_of("mag_compute"):
             index = _index(unit.rows, device)
             unit.state.mag_residual = hidden.index_select(0, index) - in_hidden.index_select(0, index)
-        for unit in call.units_of("mag_skip"):
+        for unit in call.units_of(*ALL_BLOCKS_SKIPPED):
+            # lite: what its rows carry past the blocks is never read (their output is predicted)
             index = _index(unit.rows, device)
-            hidden.index_copy_(0, index, in_hidden.index_select(0, index) + unit.state.mag_residual)
+            hidden.index_copy_(0, index, in_hidden.index_select(0, index) + unit.state.mag_residual
+                               if unit.mode == "mag_skip" else in_hidden.index_select(0, index))
             if encoder is not None:
                 encoder.index_copy_(0, index, in_encoder.index_select(0, index))
         call.current = list(range(rows))
@@ -526,3 +539,42 @@ class _AttentionHook(ModelHook):
             s = unit.state.settings
             states[self.name] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
         return states[self.name]
+
+
+class _OutputHook(ModelHook):
+    """TaylorSeer Lite per row, on the transformer's output: units on a prediction step
+    (whose rows skipped every block) take their extrapolated rows; computing lite units
+    update their factors from theirs. diffusers' lite mode hooks `proj_out`, whose output
+    the transformer only reshapes per row, so the factors and predictions are the same
+    values."""
+
+    NAME = "output"
+
+    def __init__(self, cache: RowCache):
+        super().__init__()
+        self.cache = cache
+
+    def new_forward(self, module, *args, **kwargs):
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        call = self.cache.call
+        if call is None or not call.has_lite:
+            return output
+        sample = output[0] if isinstance(output, tuple) else output.sample
+        for unit in call.units_of("lite_compute"):
+            state = self._state(unit)
+            state.current_step = unit.state.calls
+            state.update((sample.index_select(0, _index(unit.rows, sample.device)),))
+        for unit in call.units_of("lite_predict"):
+            state = self._state(unit)
+            state.current_step = unit.state.calls
+            sample.index_copy_(0, _index(unit.rows, sample.device), state.predict()[0])
+        return output
+
+    def _state(self, unit: UnitCall):
+        from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+        states = unit.state.taylor
+        if self.NAME not in states:
+            s = unit.state.settings
+            states[self.NAME] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
+        return states[self.NAME]

@@ -32,7 +32,7 @@ def diffusers_config(cache, steps: int, model_ratios=None):
                               mag_ratios=s.mag_ratios.clone())
     return TaylorSeerCacheConfig(cache_interval=s.cache_interval, disable_cache_before_step=s.disable_cache_before_step,
                                  disable_cache_after_step=s.disable_cache_after_step, max_order=s.max_order,
-                                 taylor_factors_dtype=s.taylor_factors_dtype)
+                                 taylor_factors_dtype=s.taylor_factors_dtype, use_lite_mode=s.lite)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ KIND_FIELDS = {
     "first_block": ("threshold",),
     "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
     "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order",
-                   "factors_dtype"),
+                   "factors_dtype", "use_lite_mode"),
     "off": (),
 }
 log = logging.getLogger("diffslot.core")
@@ -50,6 +50,7 @@ class CacheSettings:
     disable_cache_after_step: int | None = None
     max_order: int = 1
     taylor_factors_dtype: torch.dtype = torch.bfloat16
+    lite: bool = False  # TaylorSeer Lite: whole blocks skipped, the output projection predicted
 
 
 def resolve(cache: StepCache, steps: int, model_ratios) -> CacheSettings:
@@ -92,7 +93,8 @@ def resolve(cache: StepCache, steps: int, model_ratios) -> CacheSettings:
     return CacheSettings("taylorseer", cache_interval=config.cache_interval,
                          disable_cache_before_step=config.disable_cache_before_step,
                          disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
-                         taylor_factors_dtype=FACTOR_DTYPES[dtype_name] if dtype_name else config.taylor_factors_dtype)
+                         taylor_factors_dtype=FACTOR_DTYPES[dtype_name] if dtype_name else config.taylor_factors_dtype,
+                         lite=bool(config.use_lite_mode))
 
 
 @dataclasses.dataclass
