@@ -199,6 +199,53 @@ def test_shared_calls_decide_per_request(folders, patterns):
     assert kinds_that_skipped == {"first_block", "mag", "taylorseer"}, found
 
 
+def _lite(interval: int, before: int) -> StepCache:
+    return StepCache("taylorseer", cache_interval=interval, disable_cache_before_step=before, use_lite_mode=True)
+
+
+@pytest.mark.timeout(300)
+def test_lite_calls_replay_the_captured_graph(folders, patterns):
+    """A call whose only caches are TaylorSeer Lite's runs as an uncached one: the rows on
+    a prediction step leave before the call, the rest are padded to a bucket and replay
+    its graph (`EagerCapture` re-runs the function on the captured buffers, so a stale
+    copy-in shows as a wrong result). Each request still equals diffusers' lite hook
+    alone, call by call."""
+    from engine.core import CoreConfig, EngineCore
+    from engine.core.graphs import EagerCapture, GraphedDenoiser
+
+    model = model_of(folders["flux"])
+    core = EngineCore(model, CoreConfig(slots=4, layout="bucketed"))
+    capture = EagerCapture()
+    seen_rows = []
+
+    class Recording(GraphedDenoiser):
+        def __call__(self, inputs):
+            seen_rows.append(inputs.rows)
+            return super().__call__(inputs)
+    core.graphed = Recording(model, capture)
+    cases = {"a": params(steps=6, seed=1, cache=_lite(2, 1)), "b": params(steps=8, seed=2, cache=_lite(3, 2)),
+             "c": params(steps=5, seed=3, negative_prompt="blurry", true_cfg=3.0, cache=_lite(2, 2)),
+             "plain": params(steps=6, seed=4)}
+    late = params(steps=6, seed=5, prompt="a blue cross", cache=_lite(2, 1))
+    d = run_and_release(core, cases, arrivals={2: [("late", late)]})
+    found = patterns()
+    for rid, p in {**cases, "late": late}.items():
+        if p.cache is None:
+            err = rel_l2(d.results[rid], _plain_output(folders["flux"], p))
+        else:
+            want, pattern = cached_pipeline_output(folders["flux"], p, model.mag_ratios)
+            assert found[rid] == oracle_pattern(model, p, pattern), rid
+            assert "S" in found[rid], rid
+            err = rel_l2(d.results[rid], want)
+        assert err <= SHARED_TOL, f"{rid}: relative L2 {err:.3g}"
+    assert core.runner.cache_rows_skipped > 0
+    # every call that ran went through the graph, at bucket sizes, fewer rows than the batches had
+    assert core.graphed.replays == len(seen_rows) and capture.captures > 0  # none eager
+    assert set(seen_rows) <= {1, 2, 4, 8}, seen_rows
+    assert sum(seen_rows) < core.runner.useful_rows + core.runner.padded_rows
+    assert core.graphed.failed == set()
+
+
 def _plain_output(folder, p):
     from engine.testing.pipeline_oracle import pipeline_output_of
 

@@ -1,6 +1,7 @@
 """Part `step_cache`: per-request step caches on the device, on a FLUX.1-architecture
 transformer at 1024² (random weights, real widths, bf16; the blocks cut as said in its rows),
-through the engine's own loop (`EngineCore` on CUDA, compact layout, eager calls).
+through the engine's own loop (`EngineCore` on CUDA; compact layout and eager calls unless
+said).
 
 Random weights make a data-dependent hit pattern meaningless, so the skip pattern is set:
 MagCache with flat ratios (1.0), no retention and `max_skip_steps=1` skips every other step
@@ -10,7 +11,10 @@ different calls, so the rows that skip leave calls that others still compute. Ch
 - `mag, every other step`: goodput over the same trace uncached, against the ideal
   1 / (1 − share of row-steps skipped) (`judge.step_cache_goodput`);
 - `first_block, never hits` (threshold 0): what deciding per request costs when nothing is
-  skipped (the first block apart, one host read per call; `judge.step_cache_decision`).
+  skipped (the first block apart, one host read per call; `judge.step_cache_decision`);
+- `taylorseer lite, every other step`, bucketed layout with CUDA graphs, against the same
+  trace uncached through the same graphs: a lite call is an uncached call of the rows that
+  compute, padded to a bucket, so it keeps replaying graphs (`judge.step_cache_goodput`).
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ def trace(requests: int, steps: int, cache: StepCache | None) -> list[tuple[str,
                                      sampler="flow_euler", guidance=3.5, cache=cache)) for k in range(requests)]
 
 
-def timed_run(model, jobs, slots: int) -> tuple[float, dict]:
-    core = EngineCore(model, CoreConfig(slots=slots, device="cuda", max_queue=len(jobs) + 1))
+def timed_run(model, jobs, slots: int, layout: str = "compact") -> tuple[float, dict]:
+    core = EngineCore(model, CoreConfig(slots=slots, device="cuda", max_queue=len(jobs) + 1, layout=layout))
     for rid, p in jobs[:slots // 2]:  # half join now, the rest as slots free up: mixed steps
         core.add_request(rid, p)
     pending = list(jobs[slots // 2:])
@@ -66,3 +70,11 @@ def run(args) -> None:
     never_s, stats = timed_run(model, trace(requests, steps, never), slots)
     verdict = judge.step_cache_decision(never_s, plain_s, stats["cache_hits"])
     check("step_cache", "first_block, never hits", "time × uncached", never_s / plain_s, verdict.ok, verdict.note)
+    timed_run(model, trace(2, 2, None), 2, layout="bucketed")  # the graphs' warm-up and first captures
+    graphed_s, _ = timed_run(model, trace(requests, steps, None), slots, layout="bucketed")
+    lite = StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1, use_lite_mode=True)
+    lite_s, stats = timed_run(model, trace(requests, steps, lite), slots, layout="bucketed")
+    share = stats["cache_hits"] / max(1, stats["cache_decisions"])
+    verdict = judge.step_cache_goodput(graphed_s / lite_s, share)
+    check("step_cache", "taylorseer lite, every other step, CUDA graphs", "goodput × uncached (graphs)",
+          graphed_s / lite_s, verdict.ok, verdict.note)

@@ -255,14 +255,18 @@ class Runner:
     def _denoise(self, inputs: ModelInputs, rows: list[int] | None = None, cache_call=None) -> torch.Tensor:
         """The denoiser over the batch's rows (or a subset), in chunks of the row limit once
         the device has run out of memory for more. A call with step caches runs eagerly (its
-        rows that skip work leave the call, so no captured graph fits it); a call split
-        into chunks runs without them, and its requests from then on."""
+        rows that skip work leave the call, so no captured graph fits it), unless its only
+        caches are TaylorSeer Lite's, whose rows that skip leave before the call; a call
+        split into chunks runs without them, and its requests from then on."""
         n = inputs.rows
         limit = self._row_limit
         if rows is None and (limit is None or limit >= n):  # the common case: one call
             started = time.perf_counter()
             if cache_call is not None:
-                out = self.model.run(inputs, cache_call)
+                from engine.models.step_cache import run_call
+
+                bucket = (lambda k: bucket_rows(k, n)) if self.graphed else None
+                out = run_call(cache_call, inputs, self.model.run, self.graphed or self.model.run, bucket)
             else:
                 out = (self.graphed or self.model.run)(inputs)
             self.denoiser_s += time.perf_counter() - started  # on CUDA: the launches' host time

@@ -13,10 +13,13 @@ that request's pipeline call alone, and the rows that skip work drop out of the 
 * `mag`: a unit skips every block on the steps its magnitude-ratio schedule allows
   (decided on the host, from the step alone); its rows take the cached residual.
 * `taylorseer`: every attention module predicts its output from Taylor factors on the
-  unit's prediction steps; the other rows run the attention. In its lite mode
-  (`use_lite_mode`) a unit skips every block on its prediction steps and its rows of the
-  transformer's output are extrapolated instead (diffusers hooks `proj_out`, the last
-  thing the transformer computes before reshaping its rows: the same values).
+  unit's prediction steps; the other rows run the attention.
+* `taylorseer` lite (`use_lite_mode`): diffusers skips every block on a prediction step
+  and extrapolates `proj_out`, the last thing the transformer computes (the model only
+  reshapes its rows after it), so here a unit on a prediction step leaves the call
+  altogether and its rows of the output are extrapolated; on the other steps its rows run
+  as uncached rows do (`run_call`), and a call with no other cached rows runs as an
+  uncached one: through the captured graph, its rows padded to a bucket.
 
 `RowCache` hooks the transformer's blocks and attention modules once (diffusers'
 `HookRegistry`, pass-through when no call is bound); the runner binds a `CacheCall`
@@ -147,8 +150,6 @@ class UnitCall:
 
 #: the modes decided before the call that skip work (first_block decides inside it)
 SKIPPING_MODES = ("mag_skip", "taylor_predict", "lite_predict")
-#: the modes whose rows skip every block
-ALL_BLOCKS_SKIPPED = ("mag_skip", "lite_predict")
 
 
 class CacheCall:
@@ -161,8 +162,7 @@ class CacheCall:
             self.by_mode.setdefault(unit.mode, []).append(unit)
             unit.hit = unit.mode in SKIPPING_MODES  # first_block decides in the call
         self.has_taylor = any(m.startswith("taylor") for m in self.by_mode)
-        self.has_lite = any(m.startswith("lite") for m in self.by_mode)
-        self.block_caching = any(m in ("first_block", "mag_skip", "mag_compute", "lite_predict") for m in self.by_mode)
+        self.block_caching = any(m in ("first_block", "mag_skip", "mag_compute") for m in self.by_mode)
         self.rebind: Callable[[torch.Tensor | None], None] = lambda index: None
         self.current: list[int] = list(range(rows))  # the call's rows each block sees, in order
         self.skip_tail = False
@@ -172,17 +172,80 @@ class CacheCall:
 
     def decided(self) -> None:
         """After the call: every unit's call counted and its decision recorded."""
-        for unit in self.units:
-            state = unit.state
-            if unit.mode.startswith("mag"):
-                state.advance_mag()
-            state.hits.append(unit.hit)
-            state.calls += 1
+        _decided(self.units)
 
     @property
     def rows_skipped(self) -> int:
         """Rows that skipped the expensive part of the call."""
         return sum(len(u.rows) for u in self.units if u.hit)
+
+
+def _decided(units: list[UnitCall]) -> None:
+    for unit in units:
+        state = unit.state
+        if unit.mode.startswith("mag"):
+            state.advance_mag()
+        state.hits.append(unit.hit)
+        state.calls += 1
+
+
+def run_call(call: CacheCall, inputs, run_hooked: Callable, run_plain: Callable,
+             bucket: Callable[[int], int] | None = None) -> torch.Tensor:
+    """One denoiser call of `inputs` (`call.rows` rows) with its rows' step caches.
+
+    Rows of TaylorSeer Lite units on a prediction step leave the call and take their
+    extrapolated output; computing lite units update their factors from their rows of the
+    output. The rows left run `run_hooked(inputs, call)` with the other units, or, when
+    there are none, `run_plain(inputs)` as uncached rows do (a captured graph: `bucket(k)`
+    gives the rows to pad k to, so few shapes are captured). `run_hooked` counts the other
+    units' calls; this counts the lite units'."""
+    lite = call.units_of("lite_compute", "lite_predict")
+    if not lite:
+        return run_hooked(inputs, call)
+    n = call.rows
+    predicted = {r for u in call.units_of("lite_predict") for r in u.rows}
+    keep = [r for r in range(n) if r not in predicted]
+    others = [u for u in call.units if not u.mode.startswith("lite")]
+    kept = None
+    if keep and others:
+        position = {r: i for i, r in enumerate(keep)}
+        for unit in others:  # their rows in the call that runs (only the count is read after it)
+            unit.rows = [position[r] for r in unit.rows]
+        sub = inputs if len(keep) == n else inputs.select(_index(keep, inputs.sample.device))
+        kept = run_hooked(sub, CacheCall(len(keep), others))
+    elif keep:
+        rows = keep + [keep[-1]] * ((bucket(len(keep)) if bucket else len(keep)) - len(keep))
+        sub = inputs if rows == list(range(n)) else inputs.select(_index(rows, inputs.sample.device))
+        kept = run_plain(sub)[:len(keep)]
+    predictions = []
+    for unit in call.units_of("lite_predict"):
+        state = _lite_state(unit)
+        state.current_step = unit.state.calls
+        predictions.append((unit, state.predict()[0]))
+    like = kept if kept is not None else predictions[0][1]
+    out = like.new_empty((n, *like.shape[1:]))
+    device = out.device
+    if kept is not None:
+        out.index_copy_(0, _index(keep, device), kept)
+    for unit, predicted_rows in predictions:
+        out.index_copy_(0, _index(unit.rows, device), predicted_rows)
+    for unit in call.units_of("lite_compute"):
+        state = _lite_state(unit)
+        state.current_step = unit.state.calls
+        state.update((out.index_select(0, _index(unit.rows, device)),))
+    _decided(lite)
+    return out
+
+
+def _lite_state(unit: UnitCall):
+    """The unit's TaylorSeer state of the transformer's output (diffusers': of `proj_out`)."""
+    from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+    states = unit.state.taylor
+    if "output" not in states:
+        s = unit.state.settings
+        states["output"] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
+    return states["output"]
 
 
 def _positions(current: list[int], rows: list[int]) -> list[int]:
@@ -248,8 +311,6 @@ class RowCache:
                 HookRegistry.check_if_exists_or_initialize(module).register_hook(
                     _AttentionHook(self, name), "diffslot_row_cache_attention")
                 self.attention.append(name)
-        HookRegistry.check_if_exists_or_initialize(self.transformer).register_hook(
-            _OutputHook(self), "diffslot_row_cache_output")
 
     @contextlib.contextmanager
     def bound(self, call: CacheCall, rebind: Callable[[torch.Tensor | None], None] | None = None):
@@ -346,7 +407,7 @@ class _BlockHook(ModelHook):
         hidden = kwargs["hidden_states"]
         device = hidden.device
         call.head_in = (hidden, kwargs.get("encoder_hidden_states"))
-        skip_all = {r for u in call.units_of(*ALL_BLOCKS_SKIPPED) for r in u.rows}
+        skip_all = {r for u in call.units_of("mag_skip") for r in u.rows}
         call.head_rows = [r for r in range(call.rows) if r not in skip_all]
         call.current = call.head_rows
         if len(call.head_rows) == call.rows:
@@ -418,11 +479,9 @@ class _BlockHook(ModelHook):
         for unit in call.units_of("mag_compute"):
             index = _index(unit.rows, device)
             unit.state.mag_residual = hidden.index_select(0, index) - in_hidden.index_select(0, index)
-        for unit in call.units_of(*ALL_BLOCKS_SKIPPED):
-            # lite: what its rows carry past the blocks is never read (their output is predicted)
+        for unit in call.units_of("mag_skip"):
             index = _index(unit.rows, device)
-            hidden.index_copy_(0, index, in_hidden.index_select(0, index) + unit.state.mag_residual
-                               if unit.mode == "mag_skip" else in_hidden.index_select(0, index))
+            hidden.index_copy_(0, index, in_hidden.index_select(0, index) + unit.state.mag_residual)
             if encoder is not None:
                 encoder.index_copy_(0, index, in_encoder.index_select(0, index))
         call.current = list(range(rows))
@@ -540,41 +599,3 @@ class _AttentionHook(ModelHook):
             states[self.name] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
         return states[self.name]
 
-
-class _OutputHook(ModelHook):
-    """TaylorSeer Lite per row, on the transformer's output: units on a prediction step
-    (whose rows skipped every block) take their extrapolated rows; computing lite units
-    update their factors from theirs. diffusers' lite mode hooks `proj_out`, whose output
-    the transformer only reshapes per row, so the factors and predictions are the same
-    values."""
-
-    NAME = "output"
-
-    def __init__(self, cache: RowCache):
-        super().__init__()
-        self.cache = cache
-
-    def new_forward(self, module, *args, **kwargs):
-        output = self.fn_ref.original_forward(*args, **kwargs)
-        call = self.cache.call
-        if call is None or not call.has_lite:
-            return output
-        sample = output[0] if isinstance(output, tuple) else output.sample
-        for unit in call.units_of("lite_compute"):
-            state = self._state(unit)
-            state.current_step = unit.state.calls
-            state.update((sample.index_select(0, _index(unit.rows, sample.device)),))
-        for unit in call.units_of("lite_predict"):
-            state = self._state(unit)
-            state.current_step = unit.state.calls
-            sample.index_copy_(0, _index(unit.rows, sample.device), state.predict()[0])
-        return output
-
-    def _state(self, unit: UnitCall):
-        from diffusers.hooks.taylorseer_cache import TaylorSeerState
-
-        states = unit.state.taylor
-        if self.NAME not in states:
-            s = unit.state.settings
-            states[self.NAME] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
-        return states[self.NAME]
