@@ -253,13 +253,17 @@ def _plain_output(folder, p):
 
 
 @pytest.mark.timeout(300)
-def test_a_parked_cache_comes_back_bit_for_bit(folders, patterns):
+@pytest.mark.parametrize("cache", [StepCache("first_block", threshold=0.25),
+                                   StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1),
+                                   StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1,
+                                             use_lite_mode=True)], ids=["first_block", "taylorseer", "lite"])
+def test_a_parked_cache_comes_back_bit_for_bit(folders, patterns, cache):
     """A cached request parked by a higher-priority one, then resumed, equals its hooked
     pipeline: its cache state went to host memory and back with its slot."""
     from engine.core import CoreConfig, EngineCore
 
     model = model_of(folders["flux"])
-    low = params(steps=10, seed=4, cache=StepCache("first_block", threshold=0.25))
+    low = params(steps=10, seed=4, cache=cache)
     high = params(steps=3, seed=5, priority=5)
     core = EngineCore(model, CoreConfig(slots=1, preempt_min_steps=2))
     added = {"high": False}
@@ -363,6 +367,8 @@ def test_the_flag_and_the_http_extra_carry_a_cache():
             parse_step_cache(bad)
     body = json.dumps({"prompt": "a red circle", "cache": {"kind": "mag", "threshold": 0.2}}).encode()
     assert parse_generation(body, ("shapes",)).params[0].cache == StepCache("mag", threshold=0.2)
+    body = json.dumps({"prompt": "a red circle", "cache": {"kind": "taylorseer", "use_lite_mode": True}}).encode()
+    assert parse_generation(body, ("shapes",)).params[0].cache == StepCache("taylorseer", use_lite_mode=True)
     bad = json.dumps({"prompt": "a red circle", "cache": {"kind": "mag", "speed": 2}}).encode()
     with pytest.raises(APIError) as info:
         parse_generation(bad, ("shapes",))
