@@ -212,14 +212,14 @@ def test_a_slow_adapter_load_never_stalls_a_plain_request(own_pool):
     model, own_dir, _, make = own_pool
     pool = make()
     release = threading.Event()
-    stage = pool._stage
+    stage = pool.stager.stage
 
     def slow_stage(name, path):
         assert threading.current_thread() is not threading.main_thread()  # never the busy loop
         release.wait(60)
         return stage(name, path)
 
-    pool._stage = slow_stage
+    pool.stager.stage = slow_stage
     core = EngineCore(model, CoreConfig(slots=4), adapters=pool)
     driver = CoreDriver(core)
     driver.add({"lora": p("a blue cat", {"X": 1.0}, 1, steps=3), "plain": p("a red circle", {}, 2, steps=4)})

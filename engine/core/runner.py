@@ -303,7 +303,7 @@ class Runner:
         state = group.kind_states.get("cache")
         if state is None or not state.slots:
             return None
-        from engine.models.step_cache import CacheCall, UnitCall
+        from engine.models.cache_units import CacheCall, UnitCall
 
         units = []
         for slot, rows in zip(batch.slots.tolist(), batch.slot_rows.tolist()):

@@ -8,8 +8,8 @@ device up to a byte budget, each in one pool slot that every wrapped layer index
   serve is refused by `check` with the reason.
 * Residency: `acquire(names)` references the adapters once each when they are all
   resident. One that is not gets room (least-recently-used adapters that nothing
-  references are evicted) and is loaded by the pool's loader thread: the file read, the
-  conversion and the copies to the device happen there, off the engine's busy loop, which
+  references are evicted) and is loaded by the pool's loader thread (`engine.lora.staging`):
+  the file read, the conversion and the copies to the device happen there, off the engine's busy loop, which
   only puts the staged factors in place (pointer and table updates) at a later `acquire`;
   meanwhile `acquire` answers "loading". It answers None, evicting nothing, when there is
   no room now (the rest is referenced), and raises `AdapterError` when the adapters can
@@ -31,7 +31,6 @@ its rows are bound (the denoiser's rows are a separate `AdapterRows`).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import heapq
 import logging
@@ -47,6 +46,7 @@ import torch
 from engine.lora.files import AdapterError, AdapterReader, Factors, file_signature
 from engine.lora.kernel import DEFAULT_RANK_LIMIT
 from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, unwrap_layers, wrap_layers
+from engine.lora.staging import AdapterStager
 
 log = logging.getLogger("diffslot.lora")
 
@@ -139,8 +139,7 @@ class AdapterPool:
                                     getattr(model, "pipeline_class", type(model).__name__), self._inside)
         self._fixed_bytes = 0  # the layers' device tables: allocated once at install
         self._resident_bytes = 0  # the fixed bytes + the footprint of the adapters with a slot
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._load_stream = None  # the loader thread's CUDA stream
+        self.stager = AdapterStager(self.reader, self._layers, self.denoiser_name)
         self.loads = self.evictions = self.hits = self.misses = 0
         #: bumped whenever a k×k conv layer's adapters change (LoCon): the one thing a
         #: captured CUDA graph of the denoiser depends on (recapture then)
@@ -191,9 +190,7 @@ class AdapterPool:
 
     def close(self) -> None:
         """Stop the loader thread (after the load it runs, if any)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self.stager.close()
 
     def _inside(self, path: pathlib.Path) -> bool:
         """The file is in the folder once links are followed (a link may point within it)."""
@@ -553,44 +550,9 @@ class AdapterPool:
         adapter.slot, adapter.layers = slot, []
         self._by_slot[slot] = adapter
         self._recount()
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-loader")
-        adapter.loading = self._executor.submit(self._stage, adapter.name, adapter.path)
+        adapter.loading = self.stager.submit(adapter.name, adapter.path)
         self.misses += 1
         adapter.unreferenced_load = True
-
-    def _stage(self, name: str, path: pathlib.Path) -> tuple[tuple, list[Factors]]:
-        """(The loader thread.) The file read with diffusers' steps and its factors copied
-        to the layers' device and dtype, completely (the busy loop only points at them).
-        Returns the file's signature as read, and the factors."""
-        before = file_signature(path)
-        factors = self.reader.read(path)
-        if file_signature(path) != before:
-            raise AdapterError("its file changed while it was read")
-        device = next(iter(self._layers[self.denoiser_name].values())).weights.device
-        stream = None
-        if device.type == "cuda":  # a stream of the loader's own: the busy loop's stream never waits for it
-            if self._load_stream is None:
-                self._load_stream = torch.cuda.Stream(device)
-            stream = self._load_stream
-        def placed(t: torch.Tensor, weights) -> torch.Tensor:
-            t = t.to(dtype=weights.dtype).contiguous()  # converted on the host
-            if weights.device.type != "cuda":
-                return t.to(weights.device)
-            # page-locked and asynchronous: no copy here synchronises the device (the busy
-            # loop's steps may run under torch's sync debug mode, which is process-wide)
-            return t.pin_memory().to(weights.device, non_blocking=True)
-
-        staged = []
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for f in factors:
-                weights = self._layers[f.component][f.module].weights
-                staged.append(dataclasses.replace(f, A=placed(f.A, weights), B=placed(f.B, weights)))
-        if stream is not None:  # the copies are done before the busy loop's stream reads the factors
-            done = torch.cuda.Event()
-            done.record(stream)
-            done.synchronize()  # this thread waits, nothing else
-        return before, staged
 
     def _finish_loads(self, wait: bool = False) -> None:
         """Put the factors of every finished load in place (on the caller's thread: the

@@ -231,7 +231,7 @@ class DiffusionModel:
 
     def run(self, inputs: ModelInputs, cache_call=None) -> torch.Tensor:
         """One batched denoiser call over `inputs.rows` rows (eager, or captured in a graph).
-        `cache_call` (an `engine.models.step_cache.CacheCall`): the step caches of its rows."""
+        `cache_call` (an `engine.models.cache_units.CacheCall`): the step caches of its rows."""
         adapters = self.adapter_rows
         if adapters is not None:
             adapters.bind(inputs.lora_index, inputs.lora_scale)

@@ -141,7 +141,7 @@ class StepCacheKind(InputKind):
         return rows * self.model.step_cache_row_bytes(value.settings, latent_shape)
 
     def prepare(self, requests: list) -> dict:
-        from engine.models.step_cache import UnitState
+        from engine.models.cache_units import UnitState
 
         for request in requests:
             value = request.inputs.get(self.name)
