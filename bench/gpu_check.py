@@ -110,7 +110,9 @@ shows one that no longer imports:
                8 + 16 blocks; 4 + 8 with --quick) through EngineCore: a set skip pattern
                (MagCache, every other step) against the same trace uncached, ≥ 0.8 of the
                ideal 1 / (1 − skipped share); first_block deciding per request with nothing
-               skipped (threshold 0) ≤ 1.15 × the uncached time.
+               skipped (threshold 0) ≤ 1.15 × the uncached time; TaylorSeer Lite every other
+               step through the bucketed layout's CUDA graphs against the same trace uncached
+               through the same graphs, ≥ 0.8 of its ideal.
   qwen_image   a Qwen-Image-architecture transformer (bf16; 8 blocks with --quick) in the
                engine's own QwenImageModel at 512² and 1024²: requests one at a time against
                the engine's mixed batch of prompts of different lengths, in useful rows/s,

@@ -417,6 +417,7 @@ def test_rows_that_skip_keep_their_adapters(folders, patterns, tmp_path):
         "lora": params(guidance=4.0, seed=3, loras={"A": 0.7}),
         "lora-taylor": params(guidance=1.0, seed=4, loras={"A": 1.0},
                               cache=StepCache("taylorseer", cache_interval=2, disable_cache_before_step=1)),
+        "lora-lite": params(guidance=4.0, seed=5, loras={"A": 1.2}, cache=_lite(2, 1)),
     }
     d = run_and_release(core, cases)
     found = patterns()
