@@ -62,7 +62,7 @@ class ModelOptions:
 
     model: str = dataclasses.field(default="shapes", metadata=cli(
         "--model", metavar="FOLDER|HUB_ID|FILE",
-        help="'shapes' or 'shapes-dit' (embedded; shapes-dit: ask for 32x32), a diffusers pipeline folder, a "
+        help="'shapes' or 'shapes-dit' (embedded), a diffusers pipeline folder, a "
              "Hugging Face hub id (org/name: from the local cache, downloaded when absent and online) or a "
              "single-file checkpoint (.safetensors/.ckpt)"))
     revision: str | None = dataclasses.field(default=None, metadata=cli(

@@ -106,3 +106,22 @@ def test_served_engine_equals_the_pipeline():
                            output_type="np")
     assert image.shape == want.shape == (SIZE, SIZE, 3)
     assert np.abs(image.astype(np.int64) - np.round(want * 255).astype(np.int64)).max() <= 1
+
+
+def test_the_engine_defaults_to_the_size_it_was_trained_at():
+    """The folder declares 32 (`_native_size` in model_index.json, a key diffusers ignores):
+    a request that names no size gets 32×32, where FluxPipeline's own default is 512."""
+    from core_driver import run_to_end
+    from engine.core import CoreConfig, EngineCore
+    from engine.models.geometry import declared_native_size, geometry_from_configs, geometry_of
+    from engine.models.loading import load_model
+    from engine.protocol import GenerateParams
+
+    model = load_model("shapes-dit")
+    assert declared_native_size(SHAPES_DIT_DIR) == SIZE == model.native_size == geometry_of(SHAPES_DIT_DIR).native_size
+    assert load_pipeline("shapes-dit").default_sample_size * model.geometry.vae_scale == 512  # the pipeline's own
+    results = run_to_end(EngineCore(model, CoreConfig(slots=1)),
+                         {"r": GenerateParams(prompt="a red circle", steps=2, output="latent")}, keep="torch").results
+    assert tuple(results["r"].shape) == model.geometry.latent_shape(SIZE, SIZE)
+    with pytest.raises(ValueError, match="_native_size"):  # not a size the folder's geometry can hold
+        geometry_from_configs("FluxPipeline", {"block_out_channels": [1, 2, 3]}, {}, False, declared_size=20)

@@ -13,6 +13,11 @@ import pathlib
 #: Largest served side, in native sizes: SD's 512 → 2048.
 MAX_SIZE_FACTOR = 4
 
+#: The key of `model_index.json` where a folder declares the size (pixels) it was trained
+#: at, when its pipeline's own default is one it never saw (diffusers ignores keys that
+#: start with "_"): the engine's default size for it then.
+NATIVE_SIZE_KEY = "_native_size"
+
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
@@ -46,8 +51,17 @@ _DEFAULT_SAMPLE_SIZE = {"FluxPipeline": 128, "QwenImagePipeline": 128, "QwenImag
                         "QwenImageEditPlusPipeline": 128}
 
 
-def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_is_unet: bool) -> Geometry:
-    """The geometry as the pipeline computes it, from its VAE's and denoiser's configs."""
+def declared_native_size(path: str | pathlib.Path) -> int | None:
+    """The size the folder declares (`NATIVE_SIZE_KEY`), or None."""
+    index = pathlib.Path(path) / "model_index.json"
+    size = json.loads(index.read_text()).get(NATIVE_SIZE_KEY) if index.exists() else None
+    return None if size is None else int(size)
+
+
+def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_is_unet: bool,
+                          declared_size: int | None = None) -> Geometry:
+    """The geometry as the pipeline computes it, from its VAE's and denoiser's configs (the
+    native size: the folder's declared one, if any)."""
     vae = vae or {}
     vae_scale = 2 ** (len(vae["block_out_channels"]) - 1) if vae.get("block_out_channels") else 1
     channels = int(vae.get("latent_channels") or denoiser.get("in_channels", 4))
@@ -62,7 +76,10 @@ def geometry_from_configs(kind: str, vae: dict | None, denoiser: dict, denoiser_
     sample = denoiser.get("sample_size")
     if not isinstance(sample, int):
         sample = _DEFAULT_SAMPLE_SIZE.get(kind) or int(vae.get("sample_size", 32)) // vae_scale
-    return Geometry(channels, vae_scale, vae_scale * latent_multiple, int(sample) * vae_scale)
+    multiple = vae_scale * latent_multiple
+    if declared_size is not None and (declared_size <= 0 or declared_size % multiple):
+        raise ValueError(f"{NATIVE_SIZE_KEY} {declared_size} is not a positive multiple of {multiple}")
+    return Geometry(channels, vae_scale, multiple, declared_size or int(sample) * vae_scale)
 
 
 def geometry_of(path: str | pathlib.Path) -> Geometry:
@@ -70,4 +87,4 @@ def geometry_of(path: str | pathlib.Path) -> Geometry:
     path = pathlib.Path(path)
     unet = _config(path, "unet")
     return geometry_from_configs(pipeline_class_of(path), _config(path, "vae") or None,
-                                 unet or _config(path, "transformer"), bool(unet))
+                                 unet or _config(path, "transformer"), bool(unet), declared_native_size(path))

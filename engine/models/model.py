@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.models.folders import folder_variant, quiet_loading
-from engine.models.geometry import Geometry, geometry_from_configs
+from engine.models.geometry import Geometry, declared_native_size, geometry_from_configs
 from engine.models.inputs import ModelInputs
 from engine.protocol import MICRO_CONDITIONING
 
@@ -136,7 +136,8 @@ class DiffusionModel:
     def geometry(self) -> Geometry:
         """The one source for channels, scale, size multiple and native size."""
         vae = None if self.vae is None else dict(self.vae.config)
-        return geometry_from_configs(self.pipeline_class, vae, dict(self.denoiser.config), self.denoiser_is_unet)
+        return geometry_from_configs(self.pipeline_class, vae, dict(self.denoiser.config), self.denoiser_is_unet,
+                                     declared_native_size(self.path))
 
     @property
     def latent_channels(self) -> int:

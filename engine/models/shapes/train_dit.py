@@ -53,7 +53,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from tqdm import tqdm
 from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
-from engine.models.shapes.draw import NULL_CONDITION, PROMPTS, draw
+from engine.models.geometry import NATIVE_SIZE_KEY
+from engine.models.shapes.draw import NULL_CONDITION, PROMPTS, SIZE, draw
 from engine.models.shapes.train import MAX_LENGTH, WORDS, encode, make_tokenizer, to_tensor
 from engine.models.vocab import write_t5_tokenizer
 
@@ -77,8 +78,9 @@ prompts "a red circle", ..., "a blue cross" (3 colours × circle, square, triang
 
 Defaults to use, in diffusers and in the engine (`--model shapes-dit`):
 
-- size 32×32 (`height=32, width=32`): FluxPipeline's own default size is 128 latent
-  cells, 512×512 with this VAE, which the model was never trained on;
+- size 32×32: the engine's default, as `model_index.json` declares it (`_native_size`);
+  in diffusers ask for `height=32, width=32`, as FluxPipeline's own default size is 128
+  latent cells, 512×512 with this VAE, which the model was never trained on;
 - 20 steps of the folder's FlowMatchEulerDiscreteScheduler (the engine's default 20
   steps, sampler `default` or `flow_euler`);
 - no guidance: `guidance` is ignored (no embedded guidance) and true CFG stays off (the
@@ -284,6 +286,8 @@ def main(argv=None) -> None:
                             text_encoder=text_encoder, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tokenizer_2,
                             transformer=transformer)
         pipe.save_pretrained(args.out, safe_serialization=True)
+        index = args.out / "model_index.json"  # the size it is trained at: the engine's default for it
+        index.write_text(json.dumps({**json.loads(index.read_text()), NATIVE_SIZE_KEY: SIZE}, indent=2) + "\n")
         for config in args.out.glob("*/config.json"):  # drop the folder each part was loaded from
             data = json.loads(config.read_text())
             if data.pop("_name_or_path", None) is not None:
