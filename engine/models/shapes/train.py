@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import pathlib
 import time
 
@@ -41,6 +40,7 @@ from tqdm import tqdm
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from engine.models.shapes.draw import COLORS, NULL_CONDITION, PROMPTS, SHAPES, draw
+from engine.models.shapes.training import TrainingSteps
 from engine.models.vocab import write_clip_tokenizer
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -168,22 +168,10 @@ def train_t2i(latents: torch.Tensor, labels: torch.Tensor, tok: CLIPTokenizer, s
                      truncation=True, return_tensors="pt").input_ids
     null = len(PROMPTS)
     gen = torch.Generator().manual_seed(seed + 2)
-    warmup = 100
-    total = steps
-    if total is None:  # decided after timing the first steps
-        total = 10**9
-    deadline = None if minutes is None else time.time() + 60 * minutes
-    bar = tqdm(total=steps, desc="unet+text" if not freeze_text else "unet", mininterval=5)
-    i, t0 = 0, time.time()
-    while i < total:
-        if steps is None and i == 50:  # measured speed -> step count that fits the time
-            per_step = (time.time() - t0) / 50
-            total = max(i + 1, int(i + (deadline - time.time()) / per_step))
-            bar.total = total
-            bar.refresh()
-        scale = min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / total)))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
+    loop = TrainingSteps(opt, lr, steps, minutes, warmup=100, ema_pairs=ema_pairs, averages=(ema_unet, ema_text),
+                         desc="unet+text" if not freeze_text else "unet", timing=50, checkpoint=checkpoint,
+                         checkpoint_every=checkpoint_every)
+    for _ in loop:
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
         x0, y = latents[idx], labels[idx].clone()
         y[torch.rand(batch, generator=gen) < p_uncond] = null  # prompt dropout for guidance
@@ -196,17 +184,8 @@ def train_t2i(latents: torch.Tensor, labels: torch.Tensor, tok: CLIPTokenizer, s
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        decay = min(0.999, (1 + i) / (10 + i))
-        with torch.no_grad():
-            for pe, p in ema_pairs:
-                pe.lerp_(p, 1 - decay)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-        i += 1
-        if checkpoint is not None and checkpoint_every and i % checkpoint_every == 0 and i < total:
-            checkpoint(ema_unet, ema_text, i)
-    bar.close()
-    return ema_unet.eval(), ema_text.eval(), i
+        loop.done(loss)
+    return ema_unet.eval(), ema_text.eval(), loop.step
 
 
 def main(argv=None) -> None:

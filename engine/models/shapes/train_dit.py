@@ -56,6 +56,7 @@ from transformers import CLIPTextModel, T5Config, T5EncoderModel
 from engine.models.geometry import NATIVE_SIZE_KEY
 from engine.models.shapes.draw import NULL_CONDITION, PROMPTS, SIZE, draw
 from engine.models.shapes.train import MAX_LENGTH, WORDS, encode, make_tokenizer, to_tensor
+from engine.models.shapes.training import TrainingSteps
 from engine.models.vocab import write_t5_tokenizer
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -193,20 +194,10 @@ def train(latents: torch.Tensor, labels: torch.Tensor, tok, text_encoder: CLIPTe
     ids, txt_ids = image_ids(cells), torch.zeros(1, 3)
     bias = one_token_bias(cells * cells)
     gen = torch.Generator().manual_seed(seed + 2)
-    warmup = 200
-    total = steps if steps is not None else 10**9  # with --minutes: decided after timing the first steps
-    deadline = None if minutes is None else time.time() + 60 * minutes
-    bar = tqdm(total=steps, desc="transformer+text", mininterval=5)
-    i, t0 = 0, time.time()
-    while i < total:
-        if steps is None and i == 30:
-            per_step = (time.time() - t0) / 30
-            total = max(i + 1, int(i + (deadline - time.time()) / per_step))
-            bar.total = total
-            bar.refresh()
-        scale = min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / total)))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale * g.get("lr_scale", 1.0)
+    loop = TrainingSteps(opt, lr, steps, minutes, warmup=200, ema_pairs=ema_pairs,
+                         averages=(ema_transformer, ema_text), desc="transformer+text", timing=30,
+                         checkpoint=checkpoint, checkpoint_every=checkpoint_every)
+    for _ in loop:
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
         x0, y = latents[idx], labels[idx]
         noise = torch.randn(x0.shape, generator=gen)
@@ -225,17 +216,8 @@ def train(latents: torch.Tensor, labels: torch.Tensor, tok, text_encoder: CLIPTe
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         opt.step()
-        decay = min(0.999, (1 + i) / (10 + i))
-        with torch.no_grad():
-            for pe, p in ema_pairs:
-                pe.lerp_(p, 1 - decay)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-        i += 1
-        if checkpoint is not None and checkpoint_every and i % checkpoint_every == 0 and i < total:
-            checkpoint(ema_transformer, ema_text, i)
-    bar.close()
-    return ema_transformer.eval(), ema_text.eval(), i
+        loop.done(loss)
+    return ema_transformer.eval(), ema_text.eval(), loop.step
 
 
 def main(argv=None) -> None:
