@@ -44,21 +44,16 @@ from typing import Mapping, Sequence
 import torch
 
 from engine.lora.files import AdapterError, AdapterReader, Factors, file_signature
+from engine.lora.folder import FOLDER_WEIGHTS, MAX_NAME_BYTES, AdapterFolder
 from engine.lora.kernel import DEFAULT_RANK_LIMIT
 from engine.lora.layers import LORA_LAYER_TYPES, AdapterRows, unwrap_layers, wrap_layers
 from engine.lora.staging import AdapterStager
 
 log = logging.getLogger("diffslot.lora")
 
-#: The file `save_lora_weights` writes into a folder.
-FOLDER_WEIGHTS = "pytorch_lora_weights.safetensors"
-
 #: Scales beyond this are refused: far outside what any adapter is trained for, and a
 #: likely typo (an adapter at 100 turns the image to noise).
 MAX_SCALE = 16.0
-
-#: The longest adapter name (a file name's limit on common file systems).
-MAX_NAME_BYTES = 255
 
 #: `acquire`'s answer while the loader thread reads an adapter it needs.
 LOADING = "loading"
@@ -118,6 +113,7 @@ class AdapterPool:
             raise ValueError(f"max_resident ({max_resident}) must be ≥ max_per_request ({max_per_request}) ≥ 1")
         self.model, self.pipe, self.loader = model, pipe, type(pipe)
         self.lora_dir = pathlib.Path(lora_dir)
+        self.folder = AdapterFolder(self.lora_dir)
         self.budget_bytes, self.max_per_request = int(budget_bytes), int(max_per_request)
         self.max_resident, self.max_scale = int(max_resident), float(max_scale)
         # the largest rank served: a captured graph's LoRA scratch is sized for it
@@ -136,7 +132,7 @@ class AdapterPool:
         self._tick = 0
         self._layers: dict[str, dict] = {}
         self.reader = AdapterReader(self.loader, self.components, self._layers, self.max_rank,
-                                    getattr(model, "pipeline_class", type(model).__name__), self._inside)
+                                    getattr(model, "pipeline_class", type(model).__name__), self.folder.inside)
         self._fixed_bytes = 0  # the layers' device tables: allocated once at install
         self._resident_bytes = 0  # the fixed bytes + the footprint of the adapters with a slot
         self.stager = AdapterStager(self.reader, self._layers, self.denoiser_name)
@@ -192,61 +188,13 @@ class AdapterPool:
         """Stop the loader thread (after the load it runs, if any)."""
         self.stager.close()
 
-    def _inside(self, path: pathlib.Path) -> bool:
-        """The file is in the folder once links are followed (a link may point within it)."""
-        try:
-            return os.path.realpath(path).startswith(os.path.realpath(self.lora_dir) + os.sep)
-        except OSError:
-            return False
-
-    def _scan(self) -> set[str]:
-        """The names the folder offers now: `NAME.safetensors` files and `NAME/` folders
-        holding `pytorch_lora_weights.safetensors` (hidden entries skipped: partial copies;
-        so are links that lead out of the folder)."""
-        found = set()
-        try:
-            entries = list(os.scandir(self.lora_dir))
-        except OSError:
-            return found
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            try:
-                if entry.is_dir():
-                    path, name = pathlib.Path(entry.path) / FOLDER_WEIGHTS, entry.name
-                elif entry.name.endswith(".safetensors"):
-                    path, name = pathlib.Path(entry.path), entry.name.removesuffix(".safetensors")
-                else:
-                    continue
-                if path.is_file() and self._inside(path):
-                    found.add(name)
-            except OSError:
-                continue
-        return found
-
     def names(self) -> list[str]:
         """The adapters in the folder now (rescanned on every call; read when first checked)."""
         with self._lock:
-            found = self._scan()
+            found = self.folder.scan()
             for name in [n for n, a in self._adapters.items() if n not in found and a.slot is None]:
                 del self._adapters[name]  # gone from the folder and not resident
             return sorted(found)
-
-    def _locate(self, name: str) -> pathlib.Path | str | None:
-        """The adapter's file, why the name is ambiguous, or None. Only plain names: a
-        request's name never reaches outside the folder."""
-        if not name or name.startswith(".") or any(c in name for c in "/\\\0") or name != name.strip() \
-                or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-            return None
-        file, folder = self.lora_dir / f"{name}.safetensors", self.lora_dir / name / FOLDER_WEIGHTS
-        try:
-            in_file = file.is_file() and self._inside(file)
-            in_folder = folder.is_file() and self._inside(folder)
-        except OSError:  # a name the file system cannot hold
-            return None
-        if in_file and in_folder:
-            return f"ambiguous: both {name}.safetensors and a folder {name}/ are in the adapter folder"
-        return file if in_file else folder if in_folder else None
 
     def _record(self, name: str) -> _Adapter | None:
         """The adapter's record, its file read again if it changed. A resident adapter whose
@@ -254,7 +202,7 @@ class AdapterPool:
         adapter = self._adapters.get(name)
         if adapter is not None and adapter.loading is not None:
             return adapter  # its slot is reserved and the loader reads it: looked at again once loaded
-        where = self._locate(name)
+        where = self.folder.locate(name)
         if adapter is not None and adapter.refcount > 0 and (where is None or isinstance(where, str)
                                                              or where != adapter.path):
             return adapter

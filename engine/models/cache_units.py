@@ -43,6 +43,15 @@ class UnitState:
             found.extend(f for factors in state.taylor_factors.values() for f in factors.values())
         return found
 
+    def taylor_state(self, name: str):
+        """Diffusers' own `TaylorSeerState` of the module `name` (made on first use)."""
+        if name not in self.taylor:
+            from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+            s = self.settings
+            self.taylor[name] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
+        return self.taylor[name]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

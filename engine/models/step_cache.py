@@ -34,11 +34,13 @@ from typing import Callable
 import torch
 from diffusers.hooks.hooks import ModelHook
 
-from engine.models.cache_units import CacheCall, UnitCall, count_calls
+from engine.models.cache_units import CacheCall, count_calls
 
 #: the call arguments that carry one leading row per batch row (everything else, such as
 #: FLUX's rotary embedding, is shared by all rows)
 ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask", "modulate_index")
+#: the name of a lite unit's TaylorSeer state: the transformer's output (diffusers': `proj_out`)
+LITE_STATE = "output"
 #: the attention modules TaylorSeer predicts by default (diffusers' own patterns)
 ATTENTION_PATTERNS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
 
@@ -73,33 +75,25 @@ def run_call(call: CacheCall, inputs, run_hooked: Callable, run_plain: Callable,
         kept = run_plain(sub)[:len(keep)]
     predictions = []
     for unit in call.units_of("lite_predict"):
-        state = _lite_state(unit)
+        state = unit.state.taylor_state(LITE_STATE)
         state.current_step = unit.state.calls
         predictions.append((unit, state.predict()[0]))
-    like = kept if kept is not None else predictions[0][1]
-    out = like.new_empty((n, *like.shape[1:]))
+    if len(keep) == n:  # nothing left the call: its output is every row's
+        out = kept
+    else:
+        like = kept if kept is not None else predictions[0][1]
+        out = like.new_empty((n, *like.shape[1:]))
+        if kept is not None:
+            out.index_copy_(0, _index(keep, out.device), kept)
     device = out.device
-    if kept is not None:
-        out.index_copy_(0, _index(keep, device), kept)
     for unit, predicted_rows in predictions:
         out.index_copy_(0, _index(unit.rows, device), predicted_rows)
     for unit in call.units_of("lite_compute"):
-        state = _lite_state(unit)
+        state = unit.state.taylor_state(LITE_STATE)
         state.current_step = unit.state.calls
         state.update((out.index_select(0, _index(unit.rows, device)),))
     count_calls(lite)
     return out
-
-
-def _lite_state(unit: UnitCall):
-    """The unit's TaylorSeer state of the transformer's output (diffusers': of `proj_out`)."""
-    from diffusers.hooks.taylorseer_cache import TaylorSeerState
-
-    states = unit.state.taylor
-    if "output" not in states:
-        s = unit.state.settings
-        states["output"] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
-    return states["output"]
 
 
 def _positions(current: list[int], rows: list[int]) -> list[int]:
@@ -412,7 +406,7 @@ class _AttentionHook(ModelHook):
         # a joint attention returns (image, text): the text part is kept at the unit's own length
         text_output = 1 if kwargs.get("encoder_hidden_states") is not None and len(outputs or ()) == 2 else None
         for unit in computing:
-            state = self._state(unit)
+            state = unit.state.taylor_state(self.name)
             where = _positions(call.current if run_positions is None else run_rows, unit.rows)
             index = _index(where, device)
             state.current_step = unit.state.calls
@@ -426,7 +420,7 @@ class _AttentionHook(ModelHook):
         text_now = kwargs["encoder_hidden_states"].shape[1] if kwargs.get("encoder_hidden_states") is not None \
             else None
         for unit in predicting:
-            state = self._state(unit)
+            state = unit.state.taylor_state(self.name)
             state.current_step = unit.state.calls
             predicted = state.predict()
             if text_now is not None and len(predicted) == 2:
@@ -443,13 +437,3 @@ class _AttentionHook(ModelHook):
             for f, p in zip(full, predicted):
                 f.index_copy_(0, index, p)
         return full[0] if len(full) == 1 else tuple(full)
-
-    def _state(self, unit: UnitCall):
-        from diffusers.hooks.taylorseer_cache import TaylorSeerState
-
-        states = unit.state.taylor
-        if self.name not in states:
-            s = unit.state.settings
-            states[self.name] = TaylorSeerState(taylor_factors_dtype=s.taylor_factors_dtype, max_order=s.max_order)
-        return states[self.name]
-
